@@ -1,0 +1,273 @@
+"""The job configuration: one frozen, typed dataclass per section, validated once.
+
+YAML maps onto these classes key for key (see `load_config`); every field has a default, so an
+empty file is a valid job. Messages name the dotted field path and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from oobleck_elastic.errors import ConfigError
+
+__all__ = [
+    "OptimizerConfig",
+    "LRScheduleConfig",
+    "TrainConfig",
+    "PlannerConfig",
+    "CheckpointConfig",
+    "MonitoringConfig",
+    "ElasticConfig",
+    "JobConfig",
+    "parse_bytes",
+]
+
+Dtype = Literal["float32", "bfloat16", "float64"]
+ScheduleName = Literal["1F1B", "GPipe", "Interleaved1F1B"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, path: str) -> int:
+    """'16GiB', '512 MB' or a plain integer of bytes -> bytes."""
+    if isinstance(value, int):
+        amount = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                f"{path} must be a byte count such as 17179869184, '16GiB' or '512MB', got {value!r}"
+            )
+        amount = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if amount <= 0:
+        raise ConfigError(f"{path} must be positive, got {value!r}")
+    return amount
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Any `torch.optim` optimizer: its class name and keyword arguments (written inline)."""
+
+    __config_rest__ = "kwargs"
+
+    name: str = "AdamW"
+    """Class name in torch.optim, e.g. AdamW, SGD, Adam."""
+    kwargs: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({"lr": 1e-3}))
+    """Keyword arguments of the optimizer's constructor (lr, weight_decay, betas, ...)."""
+
+    def __post_init__(self) -> None:
+        import torch.optim  # deferred: only jobs that train need torch at parse time
+
+        cls = getattr(torch.optim, self.name, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            names = sorted(n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+                           and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+                           and n != "Optimizer")
+            from oobleck_elastic.config.parse import did_you_mean
+
+            raise ConfigError(
+                f"train.optimizer.name {self.name!r} is not a torch.optim optimizer"
+                f"{did_you_mean(self.name, names)}; accepted: {', '.join(names)}"
+            )
+        params = inspect.signature(cls.__init__).parameters
+        accepted = [p for p in params if p not in ("self", "params")]
+        for key, value in self.kwargs.items():
+            if key not in accepted:
+                from oobleck_elastic.config.parse import did_you_mean
+
+                raise ConfigError(
+                    f"train.optimizer.{key} is not an argument of torch.optim.{self.name}"
+                    f"{did_you_mean(key, accepted)}; accepted: {', '.join(accepted)}"
+                )
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, "kwargs", types.MappingProxyType(
+                    {**self.kwargs, key: tuple(value)}))
+        lr = self.kwargs.get("lr")
+        if lr is not None:
+            _check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0,
+                   f"train.optimizer.lr must be a positive number, got {lr!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRScheduleConfig:
+    """Learning-rate schedule applied on top of the optimizer's lr."""
+
+    kind: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up: constant, cosine or linear down to min_ratio * lr at the last step."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0."""
+    min_ratio: float = 0.0
+    """Final lr as a fraction of the peak lr (cosine and linear)."""
+
+    def __post_init__(self) -> None:
+        _check(self.warmup_steps >= 0,
+               f"train.lr_schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(0.0 <= self.min_ratio <= 1.0,
+               f"train.lr_schedule.min_ratio must be in [0, 1], got {self.min_ratio}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """What one optimizer step is and how many there are."""
+
+    global_batch_size: int = 32
+    """Samples per optimizer step (B); constant for the whole run, whatever the membership."""
+    microbatch_size: int = 4
+    """Samples per microbatch (b); B must be a multiple of b."""
+    steps: int = 20
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seeds layer initialisation (layer i from (seed, i)) and the data permutation."""
+    dtype: Dtype = "float32"
+    """Parameter and activation dtype."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """torch.optim optimizer: `name` plus its keyword arguments."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Learning-rate schedule."""
+    grad_clip_norm: float | None = None
+    """Clip the global gradient norm (each layer counted once) to this value; null: no clipping."""
+    schedule: ScheduleName = "1F1B"
+    """Pipeline schedule of torch.distributed.pipelining."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "microbatch_size", "steps"):
+            value = getattr(self, name)
+            _check(value >= 1, f"train.{name} must be >= 1, got {value}")
+        _check(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
+        if self.global_batch_size % self.microbatch_size:
+            lower = self.global_batch_size // self.microbatch_size * self.microbatch_size
+            upper = lower + self.microbatch_size
+            near = f"{upper}" if lower == 0 else f"{lower} or {upper}"
+            raise ConfigError(
+                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"train.microbatch_size ({self.microbatch_size}); nearest valid: {near}"
+            )
+        if self.grad_clip_norm is not None:
+            _check(self.grad_clip_norm > 0,
+                   f"train.grad_clip_norm must be > 0 or null, got {self.grad_clip_norm}")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // self.microbatch_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """Inputs of the pipeline-template planner besides the profile."""
+
+    memory_per_worker: int | str | None = None
+    """Per-worker memory budget ('16GiB', '512MB' or bytes); null: the device's own memory."""
+    intra_node_bandwidth: float = 50.0
+    """GB/s between workers of one node (stage-to-stage activation transfer)."""
+    inter_node_bandwidth: float = 12.5
+    """GB/s between nodes."""
+    link_latency_us: float = 20.0
+    """Fixed cost of one stage-to-stage message, microseconds."""
+    wide: bool = False
+    """Plan stages spanning several workers of a node (dry runs only; not executable)."""
+    profile_dir: str = ".oobleck/profiles"
+    """Where profile files are cached."""
+    profile_iterations: int = 5
+    """Timed repetitions per layer when profiling (after one warm-up)."""
+
+    def __post_init__(self) -> None:
+        if self.memory_per_worker is not None:
+            object.__setattr__(self, "memory_per_worker",
+                               parse_bytes(self.memory_per_worker, "planner.memory_per_worker"))
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            _check(getattr(self, name) > 0, f"planner.{name} must be > 0 GB/s, got {getattr(self, name)}")
+        _check(self.link_latency_us >= 0,
+               f"planner.link_latency_us must be >= 0, got {self.link_latency_us}")
+        _check(self.profile_iterations >= 1,
+               f"planner.profile_iterations must be >= 1, got {self.profile_iterations}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Periodic checkpoints: the fallback when more failures than replicas occur."""
+
+    dir: str = "checkpoints"
+    """Directory of checkpoints (one file per layer, written atomically)."""
+    interval: int = 50
+    """Steps between checkpoints; 0 disables them."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (0 disables), got {self.interval}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitoringConfig:
+    """Where a run reports itself."""
+
+    tensorboard_dir: str = "runs/tensorboard"
+    """TensorBoard log directory."""
+    metrics_path: str = "runs/metrics.jsonl"
+    """JSONL metrics log, one record per step."""
+    log_interval: int = 1
+    """Steps between progress lines."""
+
+    def __post_init__(self) -> None:
+        _check(self.log_interval >= 1, f"monitoring.log_interval must be >= 1, got {self.log_interval}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticConfig:
+    """Timeouts of the elastic layer, ordered so they never race (see DESIGN.md)."""
+
+    heartbeat_interval_s: float = 0.5
+    """Seconds between lease renewals."""
+    collective_timeout_s: float = 10.0
+    """Process-group timeout: a collective that waits longer raises."""
+    lease_timeout_s: float = 15.0
+    """A node whose lease is older than this is dead (catches hangs and partitions)."""
+    agreement_timeout_s: float = 30.0
+    """Longest wait for the survivors to agree on the next generation."""
+    rollcall_window_s: float = 0.5
+    """After an error, how long to wait for survivors to check in before proposing."""
+    join_timeout_s: float = 300.0
+    """How long a starting node waits to be admitted."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check(value > 0, f"elastic.{f.name} must be > 0 seconds, got {value}")
+        _check(self.heartbeat_interval_s * 2 <= self.lease_timeout_s,
+               f"elastic.heartbeat_interval_s ({self.heartbeat_interval_s}) must be at most half "
+               f"of elastic.lease_timeout_s ({self.lease_timeout_s}) so one late beat is not a death")
+        _check(self.collective_timeout_s < self.lease_timeout_s < self.agreement_timeout_s,
+               "elastic timeouts must be ordered collective_timeout_s < lease_timeout_s < "
+               f"agreement_timeout_s, got {self.collective_timeout_s} < {self.lease_timeout_s} < "
+               f"{self.agreement_timeout_s}")
+        _check(self.rollcall_window_s < self.agreement_timeout_s,
+               "elastic.rollcall_window_s must be shorter than elastic.agreement_timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A whole job. `model` is free-form: the model's own code parses it (see examples/gpt)."""
+
+    model: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+    """Model options, parsed by the model factory with the same rules as this file."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fault_tolerance: int = 1
+    """f: any f simultaneous node failures are recovered in memory."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.fault_tolerance >= 0,
+               f"fault_tolerance must be >= 0, got {self.fault_tolerance}")
