@@ -1,0 +1,219 @@
+"""Instantiation: which templates run, on which nodes, and how the global batch is split.
+
+Note: [batch split]
+    The global batch of B samples is B/b microbatches. Pipeline i gets m_i >= S_i of them
+    (1F1B fills its S_i stages), sum m_i = B/b exactly, and the split minimises the slowest
+    pipeline's cost-model time max_i T_i(m_i). Pipelines take contiguous sample slices in
+    pipeline order (`Instantiation.sample_slices`).
+
+Choosing the mix is a search over the target time T*: at T* template n can hold
+cap_n(T*) = max{m : T_n(m) <= T*} microbatches, so "can the live nodes hold B/b by T*" is an
+unbounded knapsack over node counts (all nodes used, at least f+1 pipelines) maximising the
+capacity. Feasibility is monotone in T*, and the optimal T* is one of the values T_n(m), so a
+binary search over those values finds the exact optimum of the cost model.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from oobleck_elastic.errors import InfeasibleBatchError, PlanningError
+from oobleck_elastic.planning.templates import PipelineTemplate, TemplateSet
+
+__all__ = ["PipelinePlan", "Instantiation", "instantiate", "split_batch", "build_instantiation"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    """One pipeline: its template (by node count), its nodes in stage order, its microbatches."""
+
+    template: int
+    nodes: tuple[int, ...]
+    microbatches: int
+    iteration_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Instantiation:
+    """The pipelines of one generation."""
+
+    pipelines: tuple[PipelinePlan, ...]
+    global_batch_size: int
+    microbatch_size: int
+    iteration_ms: float
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return tuple(sorted(n for p in self.pipelines for n in p.nodes))
+
+    def sample_slices(self) -> list[tuple[int, int]]:
+        """[start, end) of each pipeline's samples within the step's global batch."""
+        slices, start = [], 0
+        for p in self.pipelines:
+            end = start + p.microbatches * self.microbatch_size
+            slices.append((start, end))
+            start = end
+        return slices
+
+
+def _times(template: PipelineTemplate, total: int) -> np.ndarray:
+    """T(m) for m = S .. total (vectorised cost model; same formula as cost.iteration_ms)."""
+    compute = np.array([s.compute_ms for s in template.stages])
+    sends = np.array([s.send_ms for s in template.stages[:-1]])
+    ahead = np.concatenate([[0.0], np.cumsum(compute[:-1] + 2 * sends)])
+    m = np.arange(template.num_stages, total + 1, dtype=float)
+    if m.size == 0:
+        return m
+    return (ahead[:, None] + m[None, :] * compute[:, None]).max(axis=0)
+
+
+def _capacity(times: np.ndarray, first: int, target: float) -> int:
+    """max m with T(m) <= target, or first - 1 when even m = first is too slow."""
+    return int(np.searchsorted(times, target, side="right")) - 1 + first
+
+
+def _balanced(times: Sequence[np.ndarray], firsts: Sequence[int], total: int) -> list[int]:
+    """m_i minimising max_i T_i(m_i) with sum m_i = total and m_i >= firsts[i]."""
+    candidates = np.unique(np.concatenate([t for t in times if t.size]))
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:  # smallest target whose capacities hold `total`
+        mid = (lo + hi) // 2
+        caps = [_capacity(t, f, candidates[mid]) for t, f in zip(times, firsts)]
+        if all(c >= f for c, f in zip(caps, firsts)) and sum(caps) >= total:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = [min(_capacity(t, f, candidates[lo]), f + t.size - 1) for t, f in zip(times, firsts)]
+    # Give back the surplus from the slowest pipelines; ties go to the later pipeline so the
+    # split is deterministic.
+    heap = [(-times[i][counts[i] - firsts[i]], -i) for i in range(len(counts)) if counts[i] > firsts[i]]
+    heapq.heapify(heap)
+    for _ in range(sum(counts) - total):
+        _, neg_i = heapq.heappop(heap)
+        i = -neg_i
+        counts[i] -= 1
+        if counts[i] > firsts[i]:
+            heapq.heappush(heap, (-times[i][counts[i] - firsts[i]], neg_i))
+    return counts
+
+
+def _nearest_batch_error(needed: int, microbatch_size: int, global_batch: int, what: str) -> InfeasibleBatchError:
+    nearest = needed * microbatch_size
+    return InfeasibleBatchError(
+        f"global batch {global_batch} is {global_batch // microbatch_size} microbatches of "
+        f"{microbatch_size}, but {what} need at least {needed} (one per stage for 1F1B); "
+        f"the nearest valid global batch is {nearest} (train.global_batch_size)",
+        nearest_valid=nearest)
+
+
+def split_batch(templates: Sequence[PipelineTemplate], global_batch: int, microbatch_size: int) -> list[int]:
+    """Microbatches per pipeline for a fixed mix of templates (see Note: [batch split])."""
+    total = global_batch // microbatch_size
+    firsts = [t.num_stages for t in templates]
+    if sum(firsts) > total:
+        raise _nearest_batch_error(sum(firsts), microbatch_size, global_batch,
+                                   f"{len(templates)} pipelines with {sum(firsts)} stages")
+    return _balanced([_times(t, total) for t in templates], firsts, total)
+
+
+def build_instantiation(templates: Sequence[PipelineTemplate], nodes: Sequence[Sequence[int]],
+                        global_batch: int, microbatch_size: int) -> Instantiation:
+    """An Instantiation of these templates on these node lists, with the balanced batch split."""
+    counts = split_batch(templates, global_batch, microbatch_size)
+    pipelines = tuple(
+        PipelinePlan(template=t.nodes, nodes=tuple(n), microbatches=m, iteration_ms=t.iteration_ms_at(m))
+        for t, n, m in zip(templates, nodes, counts, strict=True))
+    return Instantiation(pipelines=pipelines, global_batch_size=global_batch,
+                         microbatch_size=microbatch_size,
+                         iteration_ms=max(p.iteration_ms for p in pipelines))
+
+
+def _best_mix(sizes: np.ndarray, caps: np.ndarray, num_nodes: int, min_pipelines: int):
+    """Max total capacity over multisets of sizes summing to num_nodes with >= min_pipelines
+    items: returns (capacity, chosen item indices) or (-1, []) when impossible."""
+    k = min_pipelines
+    best = np.full((num_nodes + 1, k + 1), -1, dtype=np.int64)
+    best[0, 0] = 0
+    pick = np.full((num_nodes + 1, k + 1, 2), -1, dtype=np.int64)  # (item, previous count)
+    rows = np.arange(k + 1)
+    for t in range(1, num_nodes + 1):
+        usable = np.nonzero(sizes <= t)[0]
+        if usable.size == 0:
+            continue
+        prev = best[t - sizes[usable]]                      # (items, k+1) by previous count
+        gain = np.where(prev >= 0, prev + caps[usable, None], -1)
+        # count c -> min(c + 1, k): column c' gets previous column c' - 1, and column k also
+        # gets previous column k.
+        shifted = np.full_like(gain, -1)
+        shifted[:, 1:] = gain[:, :-1]
+        from_prev = np.broadcast_to(rows - 1, gain.shape).copy()
+        stay = gain[:, k] > shifted[:, k]
+        shifted[stay, k] = gain[stay, k]
+        from_prev[stay, k] = k
+        item = shifted.argmax(axis=0)
+        best[t] = shifted[item, rows]
+        pick[t, :, 0] = usable[item]
+        pick[t, :, 1] = from_prev[item, rows]
+    if best[num_nodes, k] < 0:
+        return -1, []
+    chosen, t, c = [], num_nodes, k
+    while t > 0:
+        item, c = pick[t, c]
+        chosen.append(int(item))
+        t -= int(sizes[item])
+    return int(best[num_nodes, k]), chosen
+
+
+def instantiate(template_set: TemplateSet, nodes: Sequence[int], global_batch: int,
+                microbatch_size: int, *, min_pipelines: int | None = None) -> Instantiation:
+    """The fastest instantiation on `nodes` (all used) with at least min_pipelines pipelines
+    (default f + 1) for the fixed global batch."""
+    min_pipelines = template_set.fault_tolerance + 1 if min_pipelines is None else min_pipelines
+    total = global_batch // microbatch_size
+    node_ids = sorted(nodes)
+    usable = [t for t in template_set.templates if t.num_stages <= total]
+    if not usable:
+        smallest = min(t.num_stages for t in template_set.templates)
+        raise _nearest_batch_error(smallest, microbatch_size, global_batch, "the smallest pipeline's stages")
+    sizes = np.array([t.nodes for t in usable])
+    times = [_times(t, total) for t in usable]
+    candidates = np.unique(np.concatenate(times))
+
+    def mix(target: float) -> tuple[int, list[int]]:
+        caps = np.array([_capacity(ti, t.num_stages, target) for ti, t in zip(times, usable)])
+        ok = caps >= np.array([t.num_stages for t in usable])
+        return _best_mix(sizes[ok], caps[ok], len(node_ids), min_pipelines)[0], np.nonzero(ok)[0]
+
+    capacity, _ = mix(candidates[-1])
+    if capacity < 0:
+        n0 = template_set.min_nodes
+        raise PlanningError(
+            f"{len(node_ids)} node(s) cannot be split into at least {min_pipelines} pipelines "
+            f"from templates of {sizes.min()}..{sizes.max()} nodes (n0 = {n0}); "
+            f"this needs at least {min_pipelines * n0} nodes")
+    if capacity < total:
+        raise AssertionError("the largest target must hold every microbatch")
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if mix(candidates[mid])[0] >= total:
+            hi = mid
+        else:
+            lo = mid + 1
+    caps = np.array([_capacity(ti, t.num_stages, candidates[lo]) for ti, t in zip(times, usable)])
+    ok = np.nonzero(caps >= np.array([t.num_stages for t in usable]))[0]
+    _, chosen = _best_mix(sizes[ok], caps[ok], len(node_ids), min_pipelines)
+    picked = sorted((usable[ok[i]] for i in chosen), key=lambda t: -t.nodes)
+    stages = sum(t.num_stages for t in picked)
+    if stages > total:
+        raise _nearest_batch_error(stages, microbatch_size, global_batch,
+                                   f"{len(picked)} pipelines with {stages} stages")
+    assignment, start = [], 0
+    for t in picked:
+        assignment.append(node_ids[start:start + t.nodes])
+        start += t.nodes
+    return build_instantiation(picked, assignment, global_batch, microbatch_size)
