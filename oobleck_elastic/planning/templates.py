@@ -85,6 +85,8 @@ class TemplateSet:
     """Node counts in [n0, N - f*n0] without a template, and why."""
     uncovered: tuple[int, ...] = ()
     """Live node counts in [(f+1)*n0, N] that no mix of >= f+1 templates uses exactly."""
+    layer_state_bytes: tuple[int, ...] = ()
+    """Parameters + optimizer state of each layer: what a transfer moves."""
 
     def by_nodes(self) -> dict[int, PipelineTemplate]:
         return {t.nodes: t for t in self.templates}
@@ -237,4 +239,5 @@ def plan_templates(profile: ModelProfile, cluster: Cluster, *, max_nodes: int, f
                           fault_tolerance + 1)
     return TemplateSet(templates=tuple(templates[k] for k in sorted(templates)), min_nodes=n0,
                        max_nodes=max_nodes, fault_tolerance=fault_tolerance,
-                       infeasible=infeasible, uncovered=tuple(uncovered))
+                       infeasible=infeasible, uncovered=tuple(uncovered),
+                       layer_state_bytes=tuple(x.state_bytes for x in profile.layers))

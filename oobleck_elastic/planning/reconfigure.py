@@ -1,0 +1,272 @@
+"""Reconfiguration: the next instantiation after nodes are lost or join, and the transfers.
+
+Every worker computes the same plan from the same inputs (the previous instantiation, the lost
+and joined node ids, the templates), so only the membership has to be agreed on.
+
+After failures each pipeline that lost nodes is, in order of preference:
+  1. re-instantiated from the template for its remaining node count (if it has one);
+  2. helped by borrowing nodes from a pipeline that can shrink and stay above n0;
+  3. merged with another pipeline into one whose node count has a template.
+Among the candidates of one kind, the one that moves the least layer state wins. Joined nodes
+form new pipelines when there are at least n0 of them, otherwise they extend the pipelines
+where they move the least state. The batch is split again for the same global batch size.
+
+Note: [transfers]
+    A worker keeps the state of every layer it held in the previous generation until the
+    transfers are done. A layer a worker needs and did not hold is copied from one surviving
+    holder (parameters and optimizer state); holders are chosen largest layer first, each time
+    the holder that has been assigned the fewest bytes, so sending is spread across replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from oobleck_elastic.errors import LayersLostError, PlanningError
+from oobleck_elastic.planning.instantiate import Instantiation, build_instantiation
+from oobleck_elastic.planning.templates import PipelineTemplate, TemplateSet
+
+__all__ = ["WorkerRef", "Transfer", "ReconfigurationPlan", "reconfigure", "layer_holders"]
+
+
+@dataclass(frozen=True, order=True)
+class WorkerRef:
+    """A worker by node id and local rank."""
+
+    node: int
+    local_rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transfer:
+    """Copy `layer`'s state from `src` to `dst` before the new generation trains."""
+
+    layer: int
+    src: WorkerRef
+    dst: WorkerRef
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReconfigurationPlan:
+    """What changes between two generations."""
+
+    lost: tuple[int, ...]
+    joined: tuple[int, ...]
+    instantiation: Instantiation
+    actions: tuple[str, ...]
+    transfers: tuple[Transfer, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(t.bytes for t in self.transfers)
+
+
+def layer_holders(inst: Instantiation, templates: TemplateSet) -> dict[WorkerRef, tuple[int, int]]:
+    """The layer range [start, end) each worker of an instantiation runs."""
+    by_nodes = templates.by_nodes()
+    held = {}
+    for p in inst.pipelines:
+        for stage in by_nodes[p.template].stages:
+            for w in stage.workers:
+                held[WorkerRef(p.nodes[stage.node], w)] = stage.layers
+    return held
+
+
+@dataclass
+class _Group:
+    """A pipeline being formed: its node ids in stage order and where it came from."""
+
+    nodes: list[int]
+    origin: str
+
+
+class _Planner:
+    def __init__(self, templates: TemplateSet, previous: Instantiation, lost: set[int]) -> None:
+        self.templates = templates
+        self.by_nodes = templates.by_nodes()
+        self.state = templates.layer_state_bytes
+        self.old = {w: r for w, r in layer_holders(previous, templates).items() if w.node not in lost}
+
+    def missing(self, template: PipelineTemplate, nodes: Sequence[int]) -> list[tuple[WorkerRef, int, int]]:
+        """(worker, layer, bytes) that this pipeline's workers need and do not hold."""
+        out = []
+        for stage in template.stages:
+            for w in stage.workers:
+                ref = WorkerRef(nodes[stage.node], w)
+                have = self.old.get(ref, (0, 0))
+                out.extend((ref, layer, self.state[layer] // len(stage.workers))
+                           for layer in range(*stage.layers) if not have[0] <= layer < have[1])
+        return out
+
+    def cost(self, *groups: Sequence[int]) -> int:
+        return sum(b for nodes in groups for _, _, b in self.missing(self.by_nodes[len(nodes)], nodes))
+
+    def fits(self, count: int) -> bool:
+        return count in self.by_nodes
+
+
+def _borrow(planner: _Planner, groups: list[_Group], needy: _Group) -> tuple[int, str] | None:
+    """Moves nodes from the cheapest donor into `needy`; returns (cost, action) or None."""
+    n0 = planner.templates.min_nodes
+    best = None
+    for k in range(1, n0 + 1):
+        if not planner.fits(len(needy.nodes) + k):
+            continue
+        for idx, donor in enumerate(groups):
+            if donor is needy or not planner.fits(len(donor.nodes) - k) or len(donor.nodes) - k < n0:
+                continue
+            for end in ("tail", "head"):
+                taken = donor.nodes[-k:] if end == "tail" else donor.nodes[:k]
+                rest = donor.nodes[:-k] if end == "tail" else donor.nodes[k:]
+                grown = needy.nodes + taken
+                cost = planner.cost(rest, grown)
+                if best is None or cost < best[0]:
+                    best = (cost, idx, rest, grown, taken)
+        if best is not None:
+            break
+    if best is None:
+        return None
+    cost, idx, rest, grown, taken = best
+    groups[idx].nodes = rest
+    needy.nodes = grown
+    return cost, f"borrowed node(s) {taken} from pipeline on {rest + taken}"
+
+
+def _merge(planner: _Planner, groups: list[_Group], needy: _Group) -> str | None:
+    best = None
+    for other in groups:
+        if other is needy or not planner.fits(len(needy.nodes) + len(other.nodes)):
+            continue
+        for order in (needy.nodes + other.nodes, other.nodes + needy.nodes):
+            cost = planner.cost(order)
+            if best is None or cost < best[0]:
+                best = (cost, other, order)
+    if best is None:
+        return None
+    _, other, order = best
+    action = f"merged pipelines on {needy.nodes} and {other.nodes}"
+    groups.remove(other)
+    needy.nodes = order
+    return action
+
+
+def _after_failures(planner: _Planner, previous: Instantiation, lost: set[int]) -> tuple[list[_Group], list[str]]:
+    groups, needy, actions = [], [], []
+    n0 = planner.templates.min_nodes
+    for i, p in enumerate(previous.pipelines):
+        alive = [n for n in p.nodes if n not in lost]
+        if not alive:
+            actions.append(f"pipeline {i} on {list(p.nodes)} lost every node")
+            continue
+        group = _Group(alive, f"pipeline {i}")
+        groups.append(group)
+        if len(alive) == len(p.nodes):
+            continue
+        if len(alive) >= n0 and planner.fits(len(alive)):
+            actions.append(f"pipeline {i}: re-instantiated from the {len(alive)}-node template")
+        else:
+            needy.append(group)
+    for group in needy:
+        if group not in groups:
+            continue  # already merged into another
+        if planner.fits(len(group.nodes)) and len(group.nodes) >= n0:
+            continue  # a merge already fixed it
+        borrowed = _borrow(planner, groups, group)
+        if borrowed is not None:
+            actions.append(f"{group.origin}: {borrowed[1]}")
+            continue
+        merged = _merge(planner, groups, group)
+        if merged is None:
+            raise PlanningError(
+                f"{group.origin} kept {len(group.nodes)} node(s) and no pipeline can lend or merge "
+                f"into a size with a template ({sorted(planner.by_nodes)})")
+        actions.append(f"{group.origin}: {merged}")
+    return groups, actions
+
+
+def _absorb(planner: _Planner, groups: list[_Group], joined: list[int]) -> list[str]:
+    templates = planner.templates
+    actions = []
+    if len(joined) >= templates.min_nodes:
+        sizes = _split_nodes(templates, len(joined))
+        start = 0
+        for size in sizes:
+            groups.append(_Group(joined[start:start + size], "joined"))
+            actions.append(f"new pipeline of {size} joined node(s) {joined[start:start + size]}")
+            start += size
+        return actions
+    for node in joined:
+        best = None
+        for group in groups:
+            if not planner.fits(len(group.nodes) + 1):
+                continue
+            cost = planner.cost(group.nodes + [node])
+            key = (cost, len(group.nodes))
+            if best is None or key < best[0]:
+                best = (key, group)
+        if best is None:
+            actions.append(f"node {node} stays idle: no pipeline can grow by one node")
+            continue
+        best[1].nodes.append(node)
+        actions.append(f"node {node} joined pipeline now on {best[1].nodes}")
+    return actions
+
+
+def _split_nodes(templates: TemplateSet, count: int) -> list[int]:
+    """Template sizes summing to count, as few pipelines as possible of the largest sizes."""
+    sizes = sorted(templates.by_nodes(), reverse=True)
+    best: dict[int, list[int]] = {0: []}
+    for total in range(1, count + 1):
+        options = [best[total - s] + [s] for s in sizes if s <= total and (total - s) in best]
+        if options:
+            best[total] = min(options, key=lambda o: (len(o), [-x for x in o]))
+    if count not in best:
+        raise PlanningError(f"{count} joining node(s) cannot form pipelines from templates {sizes}")
+    return sorted(best[count], reverse=True)
+
+
+def _transfers(planner: _Planner, groups: Iterable[_Group]) -> list[Transfer]:
+    needs = [item for g in groups for item in planner.missing(planner.by_nodes[len(g.nodes)], g.nodes)]
+    holders: dict[int, list[WorkerRef]] = {}
+    for ref, (start, end) in planner.old.items():
+        for layer in range(start, end):
+            holders.setdefault(layer, []).append(ref)
+    sent: dict[WorkerRef, int] = {}
+    out = []
+    for dst, layer, nbytes in sorted(needs, key=lambda x: (-x[2], x[1], x[0])):
+        src = min(holders[layer], key=lambda w: (sent.get(w, 0), w))
+        sent[src] = sent.get(src, 0) + nbytes
+        out.append(Transfer(layer=layer, src=src, dst=dst, bytes=nbytes))
+    return sorted(out, key=lambda t: (t.dst, t.layer))
+
+
+def reconfigure(templates: TemplateSet, previous: Instantiation, *, lost: Iterable[int] = (),
+                joined: Iterable[int] = ()) -> ReconfigurationPlan:
+    """The next generation's instantiation and transfer plan (see module docstring)."""
+    lost_set = set(lost)
+    joined_list = sorted(set(joined))
+    known = set(previous.nodes)
+    if unknown := sorted(lost_set - known):
+        raise PlanningError(f"lost node(s) {unknown} are not in the current instantiation {sorted(known)}")
+    if again := sorted(set(joined_list) & (known - lost_set)):
+        raise PlanningError(f"joining node(s) {again} are already members")
+    planner = _Planner(templates, previous, lost_set)
+    held = {layer for start, end in planner.old.values() for layer in range(start, end)}
+    if orphans := [i for i in range(len(templates.layer_state_bytes)) if i not in held]:
+        raise LayersLostError(orphans)
+    groups, actions = _after_failures(planner, previous, lost_set)
+    actions += _absorb(planner, groups, joined_list)
+    warnings = []
+    if len(groups) < templates.fault_tolerance + 1:
+        warnings.append(
+            f"only {len(groups)} pipeline(s) for fault_tolerance={templates.fault_tolerance}: "
+            f"the next failure may lose layers until nodes join again")
+    chosen = [planner.by_nodes[len(g.nodes)] for g in groups]
+    inst = build_instantiation(chosen, [g.nodes for g in groups], previous.global_batch_size,
+                               previous.microbatch_size)
+    return ReconfigurationPlan(lost=tuple(sorted(lost_set)), joined=tuple(joined_list),
+                               instantiation=inst, actions=tuple(actions),
+                               transfers=tuple(_transfers(planner, groups)), warnings=tuple(warnings))
