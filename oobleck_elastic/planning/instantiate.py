@@ -45,10 +45,14 @@ class Instantiation:
     global_batch_size: int
     microbatch_size: int
     iteration_ms: float
+    spares: tuple[int, ...] = ()
+    """Live nodes left out of every pipeline (no template fits them); they train again once
+    enough nodes join."""
 
     @property
     def nodes(self) -> tuple[int, ...]:
-        return tuple(sorted(n for p in self.pipelines for n in p.nodes))
+        """Every member node, spares included."""
+        return tuple(sorted([n for p in self.pipelines for n in p.nodes] + list(self.spares)))
 
     def sample_slices(self) -> list[tuple[int, int]]:
         """[start, end) of each pipeline's samples within the step's global batch."""
@@ -121,7 +125,7 @@ def split_batch(templates: Sequence[PipelineTemplate], global_batch: int, microb
 
 
 def build_instantiation(templates: Sequence[PipelineTemplate], nodes: Sequence[Sequence[int]],
-                        global_batch: int, microbatch_size: int) -> Instantiation:
+                        global_batch: int, microbatch_size: int, spares: Sequence[int] = ()) -> Instantiation:
     """An Instantiation of these templates on these node lists, with the balanced batch split."""
     counts = split_batch(templates, global_batch, microbatch_size)
     pipelines = tuple(
@@ -129,7 +133,8 @@ def build_instantiation(templates: Sequence[PipelineTemplate], nodes: Sequence[S
         for t, n, m in zip(templates, nodes, counts, strict=True))
     return Instantiation(pipelines=pipelines, global_batch_size=global_batch,
                          microbatch_size=microbatch_size,
-                         iteration_ms=max(p.iteration_ms for p in pipelines))
+                         iteration_ms=max(p.iteration_ms for p in pipelines),
+                         spares=tuple(sorted(spares)))
 
 
 def _best_mix(sizes: np.ndarray, caps: np.ndarray, num_nodes: int, min_pipelines: int):

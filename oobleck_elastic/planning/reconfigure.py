@@ -6,7 +6,9 @@ and joined node ids, the templates), so only the membership has to be agreed on.
 After failures each pipeline that lost nodes is, in order of preference:
   1. re-instantiated from the template for its remaining node count (if it has one);
   2. helped by borrowing nodes from a pipeline that can shrink and stay above n0;
-  3. merged with another pipeline into one whose node count has a template.
+  3. merged with another pipeline into one whose node count has a template;
+  4. failing all three (the job is at its minimum size), its nodes become spares, idle with a
+     warning, and training goes on with fewer replicas until nodes join.
 Among the candidates of one kind, the one that moves the least layer state wins. Joined nodes
 form new pipelines when there are at least n0 of them, otherwise they extend the pipelines
 where they move the least state. The batch is split again for the same global batch size.
@@ -107,6 +109,19 @@ class _Planner:
     def fits(self, count: int) -> bool:
         return count in self.by_nodes
 
+    def first_layer(self, node: int) -> int | None:
+        starts = [r[0] for w, r in self.old.items() if w.node == node]
+        return min(starts) if starts else None
+
+    def best_order(self, nodes: Sequence[int]) -> list[int]:
+        """Nodes in the stage order that moves the least state: nodes with state keep their
+        layer order, nodes without state go in as one block wherever it is cheapest."""
+        stateful = sorted((n for n in nodes if self.first_layer(n) is not None),
+                          key=lambda n: (self.first_layer(n), n))
+        fresh = sorted(n for n in nodes if self.first_layer(n) is None)
+        orders = [stateful[:i] + fresh + stateful[i:] for i in range(len(stateful) + 1)]
+        return min(orders, key=self.cost) if fresh and stateful else stateful + fresh
+
 
 def _borrow(planner: _Planner, groups: list[_Group], needy: _Group) -> tuple[int, str] | None:
     """Moves nodes from the cheapest donor into `needy`; returns (cost, action) or None."""
@@ -153,8 +168,9 @@ def _merge(planner: _Planner, groups: list[_Group], needy: _Group) -> str | None
     return action
 
 
-def _after_failures(planner: _Planner, previous: Instantiation, lost: set[int]) -> tuple[list[_Group], list[str]]:
-    groups, needy, actions = [], [], []
+def _after_failures(planner: _Planner, previous: Instantiation,
+                    lost: set[int]) -> tuple[list[_Group], list[int], list[str]]:
+    groups, needy, actions, spares = [], [], [], []
     n0 = planner.templates.min_nodes
     for i, p in enumerate(previous.pipelines):
         alive = [n for n in p.nodes if n not in lost]
@@ -180,39 +196,47 @@ def _after_failures(planner: _Planner, previous: Instantiation, lost: set[int]) 
             continue
         merged = _merge(planner, groups, group)
         if merged is None:
-            raise PlanningError(
-                f"{group.origin} kept {len(group.nodes)} node(s) and no pipeline can lend or merge "
-                f"into a size with a template ({sorted(planner.by_nodes)})")
+            groups.remove(group)
+            spares.extend(group.nodes)
+            actions.append(f"{group.origin}: node(s) {group.nodes} become spares (no template fits "
+                           f"them, none can be lent or merged)")
+            continue
         actions.append(f"{group.origin}: {merged}")
-    return groups, actions
+    return groups, spares, actions
 
 
-def _absorb(planner: _Planner, groups: list[_Group], joined: list[int]) -> list[str]:
+def _absorb(planner: _Planner, groups: list[_Group], joined: list[int]) -> tuple[list[int], list[str]]:
+    """Adds joined nodes (and former spares) to the groups; returns (still spare, actions)."""
     templates = planner.templates
-    actions = []
+    actions: list[str] = []
+    spare: list[int] = []
+    if not joined:
+        return spare, actions
     if len(joined) >= templates.min_nodes:
         sizes = _split_nodes(templates, len(joined))
         start = 0
         for size in sizes:
-            groups.append(_Group(joined[start:start + size], "joined"))
-            actions.append(f"new pipeline of {size} joined node(s) {joined[start:start + size]}")
+            nodes = planner.best_order(joined[start:start + size])
+            groups.append(_Group(nodes, "joined"))
+            actions.append(f"new pipeline on joined node(s) {nodes}")
             start += size
-        return actions
+        return spare, actions
     for node in joined:
         best = None
         for group in groups:
             if not planner.fits(len(group.nodes) + 1):
                 continue
-            cost = planner.cost(group.nodes + [node])
-            key = (cost, len(group.nodes))
+            order = planner.best_order(group.nodes + [node])
+            key = (planner.cost(order), len(group.nodes))
             if best is None or key < best[0]:
-                best = (key, group)
+                best = (key, group, order)
         if best is None:
-            actions.append(f"node {node} stays idle: no pipeline can grow by one node")
+            spare.append(node)
+            actions.append(f"node {node} is a spare: no pipeline can grow by one node")
             continue
-        best[1].nodes.append(node)
-        actions.append(f"node {node} joined pipeline now on {best[1].nodes}")
-    return actions
+        best[1].nodes = best[2]
+        actions.append(f"node {node} joined pipeline now on {best[2]}")
+    return spare, actions
 
 
 def _split_nodes(templates: TemplateSet, count: int) -> list[int]:
@@ -257,16 +281,27 @@ def reconfigure(templates: TemplateSet, previous: Instantiation, *, lost: Iterab
     held = {layer for start, end in planner.old.values() for layer in range(start, end)}
     if orphans := [i for i in range(len(templates.layer_state_bytes)) if i not in held]:
         raise LayersLostError(orphans)
-    groups, actions = _after_failures(planner, previous, lost_set)
-    actions += _absorb(planner, groups, joined_list)
+    groups, spares, actions = _after_failures(planner, previous, lost_set)
+    # Spares of the previous generation hold no current state: they join like new nodes.
+    waiting = sorted(set(joined_list) | (set(previous.spares) - lost_set))
+    if spares and waiting:  # this generation's new spares can team up with the joiners
+        waiting = sorted(set(waiting) | set(spares))
+        spares = []
+    still_spare, absorbed = _absorb(planner, groups, waiting)
+    actions += absorbed
+    spares += still_spare
+    if not groups:
+        raise PlanningError(f"no pipeline can be formed from the {len(spares)} live node(s) {spares}")
     warnings = []
+    if spares:
+        warnings.append(f"node(s) {sorted(spares)} idle as spares until more nodes join")
     if len(groups) < templates.fault_tolerance + 1:
         warnings.append(
             f"only {len(groups)} pipeline(s) for fault_tolerance={templates.fault_tolerance}: "
             f"the next failure may lose layers until nodes join again")
     chosen = [planner.by_nodes[len(g.nodes)] for g in groups]
     inst = build_instantiation(chosen, [g.nodes for g in groups], previous.global_batch_size,
-                               previous.microbatch_size)
+                               previous.microbatch_size, spares)
     return ReconfigurationPlan(lost=tuple(sorted(lost_set)), joined=tuple(joined_list),
                                instantiation=inst, actions=tuple(actions),
                                transfers=tuple(_transfers(planner, groups)), warnings=tuple(warnings))
