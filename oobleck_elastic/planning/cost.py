@@ -1,21 +1,29 @@
 """The cost model the planner optimises: 1F1B iteration time and per-worker memory of a split.
 
 Note: [cost model]
-    A pipeline of S stages runs M microbatches under 1F1B. Stage k (0-based) costs
-    w_k = (forward + backward ms of its layers per microbatch) / width, where width is the
-    number of workers the stage spans (1 in executable plans). Between stage k and k+1 each
+    A pipeline of S stages runs M microbatches under torch's Schedule1F1B. Stage k (0-based)
+    costs f_k forward and w_k forward + backward per microbatch (divided by the stage's width,
+    the number of workers it spans: 1 in executable plans). Between stage k and k+1 each
     microbatch sends its activation forward and its gradient back, each costing
     c_k = latency + output_bytes(last layer of stage k) / bandwidth (intra-node bandwidth when
     both stages sit on one node, inter-node otherwise); transfers overlap compute.
 
-        T(M) = max_k [ A_k + M * w_k ],   A_k = sum_{i<k} (w_i + 2 c_i)
+        T(M) = max_k [ A_k + M * w_k + bubble_k ]
+        A_k      = sum_{i<k} (w_i + 2 c_i)                       fill and drain above stage k
+        bubble_k = max(0, D_k + 2 c_k - (S - k - 1) * f_k)        first-gradient wait
+        D_k      = sum_{i>k} w_i                                  compute below stage k
 
-    Stage k cannot start before the first microbatch has crossed stages 0..k-1, must then do
-    M forward+backward passes itself, and the last gradient has to come back through the same
-    stages: every term is a lower bound of the schedule's length, and the largest one is the
-    critical path when the pipeline streams without bubbles. It is exact for balanced stages
-    and never above a discrete-event simulation of torch's Schedule1F1B (`simulate.py`; the
-    tests check both, and measure the gap on planned splits).
+    Stage k cannot start before the first microbatch has crossed the stages above it, must
+    then do M forward and backward passes, and the last gradient has to travel back up: A_k +
+    M w_k. Its first backward also waits for microbatch 0 to go down to the last stage and
+    back (D_k + 2 c_k at least), of which its S - k - 1 extra warm-up forwards hide
+    (S - k - 1) f_k: that wait is bubble_k. Every term is a lower bound on the schedule's
+    length, so T never exceeds a discrete-event simulation of Schedule1F1B (`simulate.py`)
+    and equals it for balanced stages without transfer time. What it leaves out is queueing
+    behind other stages' warm-up and transfers limiting the steady state; on planned splits of
+    transformer-shaped profiles the simulation is within 10% (tests/test_cost_model.py). Every term
+    depends on one stage's layers, its position and the stages above it, which is what makes
+    the template search exact (templates.py).
 
     Memory of a worker on stage k: (parameters + gradients + optimizer state of its layers +
     (S - k) microbatches of saved activations) / width, because 1F1B keeps up to S - k
@@ -32,7 +40,7 @@ import numpy as np
 
 from oobleck_elastic.planning.profile import ModelProfile
 
-__all__ = ["Cluster", "CostTables", "iteration_ms", "stage_times"]
+__all__ = ["Cluster", "CostTables", "iteration_ms", "stage_leads", "stage_times"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,26 +66,38 @@ class Cluster:
         return self.link_latency_us / 1e3 + nbytes / (bandwidth * 1e9) * 1e3
 
 
-def iteration_ms(stage_ms: Sequence[float], send_ms: Sequence[float], microbatches: int) -> float:
-    """T(M) of the cost model for stages with these compute and send times (see Note above)."""
-    total = 0.0
-    ahead = 0.0
+def stage_leads(stage_ms: Sequence[float], forward_ms: Sequence[float],
+                send_ms: Sequence[float]) -> list[float]:
+    """A_k + bubble_k of each stage: T(M) = max_k (lead_k + M * w_k)."""
+    num_stages = len(stage_ms)
+    leads, ahead, below = [], 0.0, sum(stage_ms)
     for k, w in enumerate(stage_ms):
-        total = max(total, ahead + microbatches * w)
-        ahead += w + (2 * send_ms[k] if k < len(send_ms) else 0.0)
-    return total
+        below -= w
+        send = send_ms[k] if k < num_stages - 1 else 0.0
+        leads.append(ahead + max(0.0, below + 2 * send - (num_stages - k - 1) * forward_ms[k]))
+        ahead += w + 2 * send
+    return leads
+
+
+def iteration_ms(stage_ms: Sequence[float], forward_ms: Sequence[float], send_ms: Sequence[float],
+                 microbatches: int) -> float:
+    """T(M) of the cost model (see Note: [cost model])."""
+    leads = stage_leads(stage_ms, forward_ms, send_ms)
+    return max(lead + microbatches * w for lead, w in zip(leads, stage_ms))
 
 
 def stage_times(profile: ModelProfile, cluster: Cluster, bounds: Sequence[int],
-                nodes_of_stages: Sequence[int], width: int = 1) -> tuple[list[float], list[float]]:
-    """Compute and send times of the stages [bounds[k], bounds[k+1]) placed on these nodes."""
+                nodes_of_stages: Sequence[int],
+                width: int = 1) -> tuple[list[float], list[float], list[float]]:
+    """(forward + backward, forward, send) times of stages [bounds[k], bounds[k+1]) on these nodes."""
     layers = profile.layers
-    compute = [sum(layers[i].compute_ms for i in range(a, b)) / width
-               for a, b in itertools.pairwise(bounds)]
+    ranges = list(itertools.pairwise(bounds))
+    compute = [sum(layers[i].compute_ms for i in range(a, b)) / width for a, b in ranges]
+    forward = [sum(layers[i].forward_ms for i in range(a, b)) / width for a, b in ranges]
     sends = [cluster.transfer_ms(layers[bounds[k + 1] - 1].output_bytes,
                                  nodes_of_stages[k] != nodes_of_stages[k + 1])
              for k in range(len(compute) - 1)]
-    return compute, sends
+    return compute, forward, sends
 
 
 class CostTables:
@@ -87,6 +107,9 @@ class CostTables:
         layers = profile.layers
         self.num_layers = len(layers)
         compute = np.concatenate([[0.0], np.cumsum([x.compute_ms for x in layers])])
+        forward = np.concatenate([[0.0], np.cumsum([x.forward_ms for x in layers])])
+        self.forward = forward[None, :] - forward[:, None]
+        self.below = compute[-1] - compute  # below[e]: compute of layers e..L-1
         static = np.concatenate([[0.0], np.cumsum([float(x.static_bytes) for x in layers])])
         act = np.concatenate([[0.0], np.cumsum([float(x.activation_bytes) for x in layers])])
         self.compute = compute[None, :] - compute[:, None]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from oobleck_elastic.errors import InfeasibleBatchError, PlanningError
+from oobleck_elastic.planning.cost import stage_leads
 from oobleck_elastic.planning.templates import PipelineTemplate, TemplateSet
 
 __all__ = ["PipelinePlan", "Instantiation", "instantiate", "split_batch", "build_instantiation"]
@@ -66,13 +67,13 @@ class Instantiation:
 
 def _times(template: PipelineTemplate, total: int) -> np.ndarray:
     """T(m) for m = S .. total (vectorised cost model; same formula as cost.iteration_ms)."""
-    compute = np.array([s.compute_ms for s in template.stages])
-    sends = np.array([s.send_ms for s in template.stages[:-1]])
-    ahead = np.concatenate([[0.0], np.cumsum(compute[:-1] + 2 * sends)])
+    compute = [s.compute_ms for s in template.stages]
+    leads = np.array(stage_leads(compute, [s.forward_ms for s in template.stages],
+                                 [s.send_ms for s in template.stages[:-1]]))
     m = np.arange(template.num_stages, total + 1, dtype=float)
     if m.size == 0:
         return m
-    return (ahead[:, None] + m[None, :] * compute[:, None]).max(axis=0)
+    return (leads[:, None] + m[None, :] * np.array(compute)[:, None]).max(axis=0)
 
 
 def _capacity(times: np.ndarray, first: int, target: float) -> int:

@@ -212,16 +212,14 @@ def _absorb(planner: _Planner, groups: list[_Group], joined: list[int]) -> tuple
     spare: list[int] = []
     if not joined:
         return spare, actions
-    if len(joined) >= templates.min_nodes:
-        sizes = _split_nodes(templates, len(joined))
-        start = 0
-        for size in sizes:
-            nodes = planner.best_order(joined[start:start + size])
-            groups.append(_Group(nodes, "joined"))
-            actions.append(f"new pipeline on joined node(s) {nodes}")
-            start += size
-        return spare, actions
-    for node in joined:
+    sizes = _split_nodes(templates, len(joined))
+    start = 0
+    for size in sizes:
+        nodes = planner.best_order(joined[start:start + size])
+        groups.append(_Group(nodes, "joined"))
+        actions.append(f"new pipeline on joined node(s) {nodes}")
+        start += size
+    for node in joined[start:]:
         best = None
         for group in groups:
             if not planner.fits(len(group.nodes) + 1):
@@ -240,16 +238,15 @@ def _absorb(planner: _Planner, groups: list[_Group], joined: list[int]) -> tuple
 
 
 def _split_nodes(templates: TemplateSet, count: int) -> list[int]:
-    """Template sizes summing to count, as few pipelines as possible of the largest sizes."""
+    """Template sizes summing to as many of `count` nodes as possible, in as few pipelines as
+    possible (largest first); the rest are placed one by one or stay spare."""
     sizes = sorted(templates.by_nodes(), reverse=True)
     best: dict[int, list[int]] = {0: []}
     for total in range(1, count + 1):
         options = [best[total - s] + [s] for s in sizes if s <= total and (total - s) in best]
         if options:
             best[total] = min(options, key=lambda o: (len(o), [-x for x in o]))
-    if count not in best:
-        raise PlanningError(f"{count} joining node(s) cannot form pipelines from templates {sizes}")
-    return sorted(best[count], reverse=True)
+    return sorted(best[max(best)], reverse=True)
 
 
 def _transfers(planner: _Planner, groups: Iterable[_Group]) -> list[Transfer]:

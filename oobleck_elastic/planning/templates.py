@@ -7,9 +7,11 @@ template spans the same width g (a divisor of G), S = n * G / g, and compute and
 by g (ideal intra-stage sharding); those plans are for dry runs at scale.
 
 The optimum is exact: with stage positions fixed, the suffix value
-    V_j(l) = min_e max( M * w(l, e),  w(l, e) + 2 c_j(e) + V_{j+1}(e) )
-is the best max_{k>=j}(A_k - A_j + M w_k) over splits of layers [l, L) into stages j..S-1, and
-`max(a, b + x)` is monotone in x, so optimal suffixes compose into the optimal whole (Bellman).
+    V_j(l) = min_e max( M w(l, e) + bubble_j(l, e),  w(l, e) + 2 c_j(e) + V_{j+1}(e) )
+is the best max_{k>=j}(A_k - A_j + M w_k + bubble_k) over splits of layers [l, L) into stages
+j..S-1 (bubble_j depends only on the stage's own layers and position, and on the compute below
+it, which is the sum of the layers after e whatever their split), and `max(a, b + x)` is
+monotone in x, so optimal suffixes compose into the optimal whole (Bellman).
 Memory is a per-stage constraint that only depends on (j, l, e), so it prunes transitions.
 The DP runs over numpy matrices of layer ranges: O(S * L^2) per template.
 """
@@ -37,6 +39,8 @@ class StagePlan:
     workers: tuple[int, ...]
     compute_ms: float
     """Forward + backward per microbatch."""
+    forward_ms: float
+    """Forward per microbatch."""
     send_ms: float
     """One activation (or gradient) transfer to the next stage; 0 for the last stage."""
     memory_bytes: int
@@ -64,7 +68,7 @@ class PipelineTemplate:
         return len(self.stages[0].workers)
 
     def iteration_ms_at(self, microbatches: int) -> float:
-        return iteration_ms([s.compute_ms for s in self.stages],
+        return iteration_ms([s.compute_ms for s in self.stages], [s.forward_ms for s in self.stages],
                             [s.send_ms for s in self.stages[:-1]], microbatches)
 
     def bounds(self) -> list[int]:
@@ -110,16 +114,17 @@ def template_from_bounds(profile: ModelProfile, cluster: Cluster, nodes: int,
     if num_stages * width != nodes * g or g % width:
         raise ValueError(f"{num_stages} stages do not tile {nodes} node(s) of {g} workers evenly")
     placement = [(k * width) // g for k in range(num_stages)]
-    compute, sends = stage_times(profile, cluster, bounds, placement, width)
+    compute, forward, sends = stage_times(profile, cluster, bounds, placement, width)
     tables = CostTables(profile, cluster)
     stages = tuple(
         StagePlan(layers=(bounds[k], bounds[k + 1]), node=placement[k],
                   workers=tuple(range((k * width) % g, (k * width) % g + width)),
-                  compute_ms=compute[k], send_ms=sends[k] if k < num_stages - 1 else 0.0,
+                  compute_ms=compute[k], forward_ms=forward[k],
+                  send_ms=sends[k] if k < num_stages - 1 else 0.0,
                   memory_bytes=int(tables.memory(bounds[k], bounds[k + 1], num_stages - k, width)))
         for k in range(num_stages))
     return PipelineTemplate(nodes=nodes, workers_per_node=g, stages=stages, microbatches=microbatches,
-                            iteration_ms=iteration_ms(compute, sends, microbatches))
+                            iteration_ms=iteration_ms(compute, forward, sends, microbatches))
 
 
 def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int,
@@ -131,6 +136,8 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
     if num_stages > num_layers:
         return None
     compute = tables.compute / width
+    forward = tables.forward / width
+    below = tables.below[None, :] / width
     budget = cluster.memory_per_worker * width
     big_m = microbatches * compute
     value = np.full(num_layers + 1, np.inf)
@@ -142,7 +149,9 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
             choice = np.full(num_layers + 1, num_layers)
         else:
             cross = (j * width) // g != ((j + 1) * width) // g
-            total = np.maximum(big_m, compute + 2 * tables.send_ms[cross][None, :] + value[None, :])
+            send = 2 * tables.send_ms[cross][None, :]
+            bubble = np.maximum(0.0, below + send - (num_stages - j - 1) * forward)
+            total = np.maximum(big_m + bubble, compute + send + value[None, :])
             total = np.where(fits, total, np.inf)
             choice = np.argmin(total, axis=1)
             cost = total[np.arange(num_layers + 1), choice]

@@ -1,0 +1,88 @@
+"""Every configuration error a user can make gets one clear message naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from oobleck_elastic.config import load_config
+from oobleck_elastic.errors import ConfigError
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_file_and_overrides(tmp_path):
+    path = write(tmp_path, "train:\n  global_batch_size: 64\n  optimizer: {name: SGD, lr: 0.1, momentum: 0.9}\n"
+                           "fault_tolerance: 2\nplanner:\n  memory_per_worker: 2GiB\n")
+    cfg = load_config(path, ["train.steps=7", "train.dtype=float64", "train.optimizer.lr=0.05"])
+    assert cfg.train.global_batch_size == 64 and cfg.train.steps == 7
+    assert cfg.train.dtype == "float64"
+    assert cfg.train.optimizer.name == "SGD"
+    assert dict(cfg.train.optimizer.kwargs) == {"lr": 0.05, "momentum": 0.9}
+    assert cfg.fault_tolerance == 2
+    assert cfg.planner.memory_per_worker == 2 * 2**30
+    assert cfg.train.num_microbatches == 16
+    with pytest.raises(AttributeError):
+        cfg.train.steps = 3  # frozen
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["train.global_bach_size=8"], "unknown key 'train.global_bach_size' (did you mean 'global_batch_size'?)"),
+    (["trian.steps=3"], "unknown key 'trian' (did you mean 'train'?)"),
+    (["train.steps=three"], "train.steps must be an integer, got 'three'"),
+    (["train.steps=2.5"], "train.steps must be an integer, got 2.5"),
+    (["train.steps=true"], "train.steps must be an integer, got True"),
+    (["train.steps=0"], "train.steps must be >= 1, got 0"),
+    (["train.microbatch_size=-1"], "train.microbatch_size must be >= 1, got -1"),
+    (["train.global_batch_size=30"], "must be a multiple of train.microbatch_size (4); nearest valid: 28 or 32"),
+    (["train.dtype=float16"], "train.dtype must be one of 'float32', 'bfloat16', 'float64', got 'float16'"),
+    (["train.optimizer.name=AdamX"], "is not a torch.optim optimizer (did you mean 'Adam'?)"),
+    (["train.optimizer.lrr=0.1"], "train.optimizer.lrr is not an argument of torch.optim.AdamW (did you mean 'lr'?)"),
+    (["train.optimizer.lr=-1"], "train.optimizer.lr must be a positive number, got -1"),
+    (["fault_tolerance=-1"], "fault_tolerance must be >= 0, got -1"),
+    (["planner.memory_per_worker=12XB"], "planner.memory_per_worker must be a byte count"),
+    (["elastic.lease_timeout_s=5"], "collective_timeout_s < lease_timeout_s < agreement_timeout_s"),
+    (["checkpoint.interval=-2"], "checkpoint.interval must be >= 0"),
+    (["train.grad_clip_norm=0"], "train.grad_clip_norm must be > 0 or null"),
+    (["train.schedule=ZB"], "train.schedule must be one of '1F1B', 'GPipe', 'Interleaved1F1B'"),
+    (["train"], "--set expects dotted.key=value"),
+    (["train.steps.x=1"], "'train.steps' is a value, not a section"),
+])
+def test_bad_values_name_field_value_and_accepted(tmp_path, overrides, expected):
+    path = write(tmp_path, "train:\n  steps: 5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    assert expected in str(info.value)
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 5\n  dtype: [float32\nfault_tolerance: 1\n")
+    with pytest.raises(ConfigError, match=r"YAML syntax error at line 4"):
+        load_config(path)
+
+
+def test_top_level_must_be_mapping_and_file_must_exist(tmp_path):
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_section_must_be_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="train must be a mapping"):
+        load_config(write(tmp_path, "train: 3\n"))
+
+
+def test_entry_point_prints_message_without_traceback(tmp_path):
+    path = write(tmp_path, "train:\n  global_batch_size: 30\n")
+    proc = subprocess.run([sys.executable, "-m", "examples.gpt.demo", "--config", str(path), "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "error: train.global_batch_size (30) must be a multiple" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,42 @@
+"""Imports flow one way: config <- planning <- runtime <- elastic; monitoring beside them."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "oobleck_elastic"
+# what each layer may import from the package (besides itself and errors)
+ALLOWED = {
+    "config": set(),
+    "planning": {"config"},
+    "monitoring": {"config", "planning"},
+    "runtime": {"config", "planning", "monitoring"},
+    "elastic": {"config", "planning", "monitoring", "runtime"},
+}
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_layer_imports_only_lower_layers(layer):
+    for path in (PACKAGE / layer).rglob("*.py"):
+        for name in imports_of(path):
+            if name.startswith("oobleck_elastic."):
+                target = name.split(".")[1]
+                assert target in ALLOWED[layer] | {layer, "errors"}, f"{path.name} imports {name}"
+
+
+def test_planning_never_imports_torch():
+    for path in (PACKAGE / "planning").rglob("*.py"):
+        assert not any(n == "torch" or n.startswith("torch.") for n in imports_of(path)), path.name
