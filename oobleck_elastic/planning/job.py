@@ -23,8 +23,13 @@ class JobPlan:
 
 def make_cluster(planner: PlannerConfig, profile: ModelProfile, workers_per_node: int,
                  memory_per_worker: int | None = None) -> Cluster:
-    """The Cluster a job plans for; the memory budget is the config's, else the device's."""
-    memory = memory_per_worker or planner.memory_per_worker or profile.device_memory_bytes
+    """The Cluster a job plans for. The per-worker memory budget is, in order: the argument, the
+    config's planner.memory_per_worker, the profiled device's memory (a GPU's own; on the CPU
+    the host's RAM shared by the node's workers)."""
+    memory = memory_per_worker or planner.memory_per_worker
+    if not memory and profile.device_memory_bytes:
+        shared = profile.device == "cpu"
+        memory = profile.device_memory_bytes // (workers_per_node if shared else 1)
     if not memory:
         raise PlanningError("the profile does not say how much memory a worker has; set "
                             "planner.memory_per_worker (e.g. --set planner.memory_per_worker=16GiB)")
