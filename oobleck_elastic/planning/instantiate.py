@@ -81,28 +81,41 @@ def _capacity(times: np.ndarray, first: int, target: float) -> int:
     return int(np.searchsorted(times, target, side="right")) - 1 + first
 
 
-def _balanced(times: Sequence[np.ndarray], firsts: Sequence[int], total: int) -> list[int]:
-    """m_i minimising max_i T_i(m_i) with sum m_i = total and m_i >= firsts[i]."""
-    candidates = np.unique(np.concatenate([t for t in times if t.size]))
+def _balanced(times: Sequence[np.ndarray], firsts: Sequence[int], total: int,
+              kinds: Sequence[int] | None = None) -> list[int]:
+    """m_i minimising max_i T_i(m_i) with sum m_i = total and m_i >= firsts[i].
+
+    `kinds[i]` says which entry of `times`/`firsts` pipeline i uses (default: its own), so a
+    thousand pipelines of a dozen templates cost a dozen searches, not a thousand."""
+    kinds = list(range(len(times))) if kinds is None else list(kinds)
+    multiplicity = np.bincount(kinds, minlength=len(times))
+    candidates = np.unique(np.concatenate([t for t, n in zip(times, multiplicity) if n and t.size]))
+
+    def capacities(target: float) -> np.ndarray:
+        return np.array([_capacity(t, f, target) for t, f in zip(times, firsts)])
+
     lo, hi = 0, len(candidates) - 1
     while lo < hi:  # smallest target whose capacities hold `total`
         mid = (lo + hi) // 2
-        caps = [_capacity(t, f, candidates[mid]) for t, f in zip(times, firsts)]
-        if all(c >= f for c, f in zip(caps, firsts)) and sum(caps) >= total:
+        caps = capacities(candidates[mid])
+        used = multiplicity > 0
+        if np.all(caps[used] >= np.array(firsts)[used]) and int(caps @ multiplicity) >= total:
             hi = mid
         else:
             lo = mid + 1
-    counts = [min(_capacity(t, f, candidates[lo]), f + t.size - 1) for t, f in zip(times, firsts)]
+    caps = capacities(candidates[lo])
+    counts = [min(int(caps[k]), firsts[k] + times[k].size - 1) for k in kinds]
     # Give back the surplus from the slowest pipelines; ties go to the later pipeline so the
     # split is deterministic.
-    heap = [(-times[i][counts[i] - firsts[i]], -i) for i in range(len(counts)) if counts[i] > firsts[i]]
+    heap = [(-times[k][counts[i] - firsts[k]], -i) for i, k in enumerate(kinds) if counts[i] > firsts[k]]
     heapq.heapify(heap)
     for _ in range(sum(counts) - total):
         _, neg_i = heapq.heappop(heap)
         i = -neg_i
+        k = kinds[i]
         counts[i] -= 1
-        if counts[i] > firsts[i]:
-            heapq.heappush(heap, (-times[i][counts[i] - firsts[i]], neg_i))
+        if counts[i] > firsts[k]:
+            heapq.heappush(heap, (-times[k][counts[i] - firsts[k]], neg_i))
     return counts
 
 
@@ -122,7 +135,10 @@ def split_batch(templates: Sequence[PipelineTemplate], global_batch: int, microb
     if sum(firsts) > total:
         raise _nearest_batch_error(sum(firsts), microbatch_size, global_batch,
                                    f"{len(templates)} pipelines with {sum(firsts)} stages")
-    return _balanced([_times(t, total) for t in templates], firsts, total)
+    distinct: dict[int, int] = {}
+    kinds = [distinct.setdefault(id(t), len(distinct)) for t in templates]
+    unique = list({id(t): t for t in templates}.values())
+    return _balanced([_times(t, total) for t in unique], [t.num_stages for t in unique], total, kinds)
 
 
 def build_instantiation(templates: Sequence[PipelineTemplate], nodes: Sequence[Sequence[int]],
