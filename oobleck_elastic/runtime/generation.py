@@ -1,0 +1,145 @@
+"""One generation's distributed objects, owned by one object with one close().
+
+Note: [generation lifetime]
+    gloo closes a process group's sockets only when the last Python reference to it goes:
+    held exceptions and tracebacks, Work objects, PipelineStage and schedule objects and
+    subgroup handles all keep it alive (DESIGN.md, gloo facts). So everything of generation g
+    hangs off its Generation and nothing else: close() drops every reference, destroys the
+    process groups, and the next generation starts on a fresh PrefixStore("gen<g>").
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from oobleck_elastic.planning import WorkerRef
+from oobleck_elastic.runtime.layers import LayerStore
+from oobleck_elastic.runtime.plan import GenerationPlan, StageRole
+
+__all__ = ["Generation", "StageModule"]
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+
+
+class StageModule(nn.Module):
+    """The layers of one stage applied in order (modules owned by the LayerStore)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Generation:
+    """Process groups, pipeline stage, schedule and gradient groups of one generation."""
+
+    def __init__(self, plan: GenerationPlan, me: WorkerRef, store: dist.Store, layers: LayerStore,
+                 *, loss_fn, schedule: str, timeout: timedelta) -> None:
+        self.plan = plan
+        self.me = me
+        self.rank = plan.rank_of(me)
+        self.layers = layers
+        self.role: StageRole | None = plan.roles.get(self.rank)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{plan.generation}", store),
+                                rank=self.rank, world_size=len(plan.members), timeout=timeout)
+        self._closed = False
+        self.pipeline_group = None
+        # Every rank creates every group, in the same order (new_group is collective).
+        for pipe_rank_sets in self._pipeline_rank_sets():
+            group = dist.new_group(sorted(pipe_rank_sets), timeout=timeout)
+            if self.role is not None and self.rank in pipe_rank_sets:
+                self.pipeline_group = group
+        self.grad_groups: list[tuple[object, tuple[int, ...]]] = []
+        for ranks, layer_ids in plan.replica_sets:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if self.rank in ranks:
+                self.grad_groups.append((group, layer_ids))
+        self.stage = None
+        self.schedule = None
+        self._loss_fn = loss_fn
+        self._schedule_name = schedule
+
+    def _pipeline_rank_sets(self) -> list[set[int]]:
+        sets: dict[int, set[int]] = {}
+        for rank, role in self.plan.roles.items():
+            sets.setdefault(role.pipeline, set()).add(rank)
+        return [sets[p] for p in sorted(sets)]
+
+    def build_schedule(self) -> None:
+        """Builds this worker's stage and schedule once its layers are in place."""
+        role = self.role
+        modules = [self.layers[i].module for i in range(*role.layers)]
+        self.stage_module = StageModule(modules)
+        self.stage = PipelineStage(self.stage_module, role.stage, role.num_stages,
+                                   self.layers.device, group=self.pipeline_group)
+        # new_group sorts its ranks: map each stage to its group rank explicitly.
+        sorted_ranks = sorted(role.stage_ranks)
+        self.stage.stage_index_to_group_rank = {k: sorted_ranks.index(r) for k, r in enumerate(role.stage_ranks)}
+        self.schedule = SCHEDULES[self._schedule_name](self.stage, n_microbatches=role.microbatches,
+                                                       loss_fn=self._loss_fn, scale_grads=False)
+
+    def forward_backward(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[float, int]:
+        """Runs the schedule on this pipeline's slice; returns (summed loss, samples) counted
+        on last stages (0 elsewhere)."""
+        if self.role is None:
+            return 0.0, 0
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.role.is_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.role.is_last else {}
+        self.schedule.step(*args, **kwargs)
+        if not self.role.is_last:
+            return 0.0, 0
+        return float(sum(loss.detach().double() for loss in losses)), int(targets.shape[0])
+
+    def sync_gradients(self) -> None:
+        """Sums each layer's gradient over its replicas: one flat all-reduce per replica set."""
+        pending = []
+        for group, layer_ids in self.grad_groups:
+            grads = [g for i in layer_ids for g in self.layers[i].grads()]
+            flat = _flatten_dense_tensors(grads)
+            pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, grads))
+        for work, flat, grads in pending:
+            work.wait()
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        pending.clear()
+
+    def reduce_stats(self, loss_sum: float, samples: int) -> tuple[float, int, float]:
+        """World-wide (loss sum, samples, squared grad norm with each layer counted once)."""
+        owned = [i for i, r in self.plan.layer_owner.items() if r == self.rank]
+        sq = sum(float(sum(g.double().pow(2).sum() for g in self.layers[i].grads())) for i in owned)
+        stats = torch.tensor([loss_sum, float(samples), sq], dtype=torch.float64)
+        dist.all_reduce(stats)
+        return float(stats[0]), int(round(float(stats[1]))), float(stats[2])
+
+    def held_layers(self) -> range:
+        return range(*self.role.layers) if self.role else range(0)
+
+    def close(self) -> None:
+        """Drops every reference to this generation's groups and destroys them."""
+        if self._closed:
+            return
+        self._closed = True
+        self.schedule = None
+        self.stage = None
+        self.stage_module = None
+        self.pipeline_group = None
+        self.grad_groups = []
+        try:
+            dist.destroy_process_group()
+        finally:
+            gc.collect()

@@ -1,0 +1,116 @@
+"""The layers a worker holds: module, optimizer and learning-rate schedule, per layer.
+
+A worker's LayerStore outlives generations: a new generation takes the modules it still runs,
+drops the ones it no longer needs (after transfers), and materialises or receives the rest.
+Each layer has its own optimizer so its full state (parameters, optimizer tensors, step
+counter) can be copied to another worker as one unit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from oobleck_elastic.config import LRScheduleConfig, TrainConfig
+from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer
+
+__all__ = ["LayerState", "LayerStore", "lr_factor"]
+
+
+def lr_factor(schedule: LRScheduleConfig, step: int, total_steps: int) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based)."""
+    if schedule.warmup_steps and step < schedule.warmup_steps:
+        return (step + 1) / schedule.warmup_steps
+    if schedule.kind == "constant":
+        return 1.0
+    span = max(total_steps - schedule.warmup_steps, 1)
+    progress = min(max(step - schedule.warmup_steps, 0) / span, 1.0)
+    if schedule.kind == "cosine":
+        shape = 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        shape = 1 - progress
+    return schedule.min_ratio + (1 - schedule.min_ratio) * shape
+
+
+class LayerState:
+    """One layer's module and optimizer."""
+
+    def __init__(self, module: nn.Module, train: TrainConfig) -> None:
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        cls = getattr(torch.optim, train.optimizer.name)
+        self.optimizer = cls(self.params, **dict(train.optimizer.kwargs)) if self.params else None
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def set_lr(self, factor: float) -> None:
+        if self.optimizer:
+            for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+                group["lr"] = base * factor
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def grads(self) -> list[torch.Tensor]:
+        """Gradients, materialising zeros for parameters that got none this step."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Everything a replica of this layer is made of, in a fixed order: parameters and
+        buffers, then the optimizer's per-parameter state tensors (sorted keys)."""
+        tensors = list(self.module.state_dict(keep_vars=True).values())
+        if self.optimizer:
+            for p in self.params:
+                state = self.optimizer.state.get(p, {})
+                for key in sorted(state):
+                    value = state[key]
+                    if not torch.is_tensor(value):
+                        raise TypeError(f"optimizer state {key!r} is not a tensor; cannot transfer it")
+                    tensors.append(value)
+        return tensors
+
+    def has_optimizer_state(self) -> bool:
+        return bool(self.optimizer and self.optimizer.state)
+
+    def prime_optimizer(self) -> None:
+        """Creates the optimizer's state tensors (with a zero-gradient step) so they can be
+        overwritten by a transfer; the parameters are overwritten too."""
+        if self.optimizer and not self.optimizer.state:
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.zero_grad()
+
+
+class LayerStore:
+    """The layers this worker holds, by index."""
+
+    def __init__(self, model: ModelSpec, train: TrainConfig, device: torch.device) -> None:
+        self.model = model
+        self.train = train
+        self.device = device
+        self.dtype = DTYPES[train.dtype]
+        self.layers: dict[int, LayerState] = {}
+
+    def materialize(self, index: int) -> LayerState:
+        module = materialize_layer(self.model, index, seed=self.train.seed, dtype=self.dtype, device=self.device)
+        state = LayerState(module, self.train)
+        self.layers[index] = state
+        return state
+
+    def keep_only(self, indices: Iterable[int]) -> None:
+        keep = set(indices)
+        for index in [i for i in self.layers if i not in keep]:
+            del self.layers[index]
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.layers
+
+    def __getitem__(self, index: int) -> LayerState:
+        return self.layers[index]

@@ -1,0 +1,144 @@
+"""The training loop of one worker: builds generations, runs steps, reports metrics.
+
+A Trainer lives as long as its worker process. It holds the LayerStore (state that survives
+generations) and at most one Generation at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from oobleck_elastic.config import JobConfig
+from oobleck_elastic.planning import Transfer, WorkerRef
+from oobleck_elastic.runtime.data import SampleOrder
+from oobleck_elastic.runtime.generation import SCHEDULES, Generation
+from oobleck_elastic.runtime.layers import LayerStore, lr_factor
+from oobleck_elastic.runtime.model import ModelSpec
+from oobleck_elastic.runtime.plan import GenerationPlan
+from oobleck_elastic.runtime.transfer import run_transfers
+
+__all__ = ["Trainer", "StepStats", "Dataset"]
+
+logger = logging.getLogger(__name__)
+
+
+class Dataset(Protocol):
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    loss: float
+    samples: int
+    grad_norm: float
+    seconds: float
+    consumed: tuple[int, ...] = ()
+    """Dataset indices this worker's last stage consumed (empty elsewhere)."""
+
+
+class Trainer:
+    def __init__(self, *, model: ModelSpec, dataset: Dataset, cfg: JobConfig, me: WorkerRef,
+                 store: dist.Store, device: torch.device | str = "cpu") -> None:
+        if cfg.train.schedule not in SCHEDULES:
+            raise ValueError(f"train.schedule {cfg.train.schedule!r} is not supported by the runtime yet; "
+                             f"use one of {sorted(SCHEDULES)}")
+        self.model = model
+        self.dataset = dataset
+        self.cfg = cfg
+        self.me = me
+        self.store = store
+        self.layers = LayerStore(model, cfg.train, torch.device(device))
+        self.order = SampleOrder(len(dataset), cfg.train.seed)
+        self.generation: Generation | None = None
+        self.completed_steps = 0
+        self.timeout = timedelta(seconds=cfg.elastic.collective_timeout_s)
+        batch = cfg.train.global_batch_size
+        self._loss_fn = lambda out, target: model.loss(out, target) / batch
+
+    def build(self, plan: GenerationPlan, transfers: Sequence[Transfer] = ()) -> int:
+        """Closes the current generation, builds `plan`'s, moves layer state; returns bytes moved."""
+        if self.generation is not None:
+            self.generation.close()
+            self.generation = None
+        gen = Generation(plan, self.me, self.store, self.layers, loss_fn=self._loss_fn,
+                         schedule=self.cfg.train.schedule, timeout=self.timeout)
+        self.generation = gen
+        moved = run_transfers(transfers, plan, self.me, self.layers, stepped=self.completed_steps > 0,
+                              timeout=self.timeout)
+        needed = list(gen.held_layers())
+        for i in needed:
+            if i not in self.layers:
+                if self.completed_steps:
+                    raise RuntimeError(f"{self.me} needs layer {i} but holds no copy and none was "
+                                       "transferred: the transfer plan is incomplete")
+                self.layers.materialize(i)
+        self.layers.keep_only(needed)
+        if gen.role is not None:
+            gen.build_schedule()
+        return moved
+
+    def step(self) -> StepStats:
+        gen = self.generation
+        step = self.completed_steps
+        start = time.perf_counter()
+        inputs = targets = None
+        consumed: tuple[int, ...] = ()
+        if gen.role is not None:
+            lo, hi = gen.role.samples
+            indices = self.order.indices(step, self.cfg.train.global_batch_size, lo, hi)
+            x, y = self.dataset.batch(indices)
+            inputs = x if gen.role.is_first else None
+            targets = y if gen.role.is_last else None
+            if gen.role.is_last:
+                consumed = tuple(indices)
+        loss_sum, samples = gen.forward_backward(inputs, targets)
+        gen.sync_gradients()
+        loss, samples, sq_norm = gen.reduce_stats(loss_sum, samples)
+        norm = math.sqrt(sq_norm)
+        held = [self.layers[i] for i in gen.held_layers()]
+        clip = self.cfg.train.grad_clip_norm
+        if clip is not None:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for state in held:
+                    for g in state.grads():
+                        g.mul_(coef)
+        factor = lr_factor(self.cfg.train.lr_schedule, step, self.cfg.train.steps)
+        for state in held:
+            state.set_lr(factor)
+            if state.optimizer:
+                state.optimizer.step()
+            state.zero_grad()
+        self.completed_steps += 1
+        return StepStats(step=step, loss=loss, samples=samples, grad_norm=norm,
+                         seconds=time.perf_counter() - start, consumed=consumed)
+
+    def layer_summaries(self) -> tuple[list[float], list[float]]:
+        """float64 sum and L2 norm of every layer's parameters, world-wide (each layer once)."""
+        gen = self.generation
+        n = self.model.num_layers
+        stats = torch.zeros(2 * n, dtype=torch.float64)
+        for i, rank in gen.plan.layer_owner.items():
+            if rank == gen.rank:
+                params = [p.detach().double() for p in self.layers[i].module.parameters()]
+                stats[i] = sum(float(p.sum()) for p in params)
+                stats[n + i] = math.sqrt(sum(float(p.pow(2).sum()) for p in params))
+        dist.all_reduce(stats, group=None)
+        return stats[:n].tolist(), stats[n:].tolist()
+
+    def close(self) -> None:
+        if self.generation is not None:
+            self.generation.close()
+            self.generation = None

@@ -1,0 +1,175 @@
+"""Multi-process harness for runtime tests: real processes, a real TCPStore, real gloo groups.
+
+`run_job(phases, ...)` starts one process per node (one worker each), trains each phase's
+layout for its steps in the same processes (rebuilding in place between phases, with the
+planner's transfer plan), and returns the final parameters of every layer plus step records.
+`reference(...)` trains the same model in one process on whole batches, independently of the
+runtime, for comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from examples.gpt.data import SyntheticTokens
+from examples.gpt.model import GPTConfig, gpt_model
+from oobleck_elastic.config import load_config
+from oobleck_elastic.planning import (
+    LayerProfile,
+    ModelProfile,
+    WorkerRef,
+    build_instantiation,
+    plan_templates,
+    reconfigure,
+)
+from oobleck_elastic.planning.cost import Cluster
+from oobleck_elastic.runtime.data import SampleOrder
+from oobleck_elastic.runtime.layers import LayerState, lr_factor
+from oobleck_elastic.runtime.model import materialize_layer
+from oobleck_elastic.runtime.plan import GenerationPlan
+
+TINY = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=4, dropout=0.0, dataset_size=256)
+
+
+@dataclass(frozen=True)
+class Phase:
+    pipelines: tuple[tuple[int, ...], ...]
+    """Node ids of each pipeline, in stage order (one worker a node)."""
+    steps: int
+
+
+def job_config(overrides=()):
+    return load_config(None, ["train.dtype=float64", "train.global_batch_size=24", "train.microbatch_size=2",
+                              "train.optimizer.lr=0.01", "elastic.collective_timeout_s=60",
+                              "elastic.lease_timeout_s=90", "elastic.agreement_timeout_s=120", *overrides])
+
+
+def templates_for(num_layers: int, max_nodes: int):
+    layer = LayerProfile(name="l", forward_ms=1.0, backward_ms=2.0, param_bytes=1, grad_bytes=1,
+                         optimizer_bytes=2, activation_bytes=1, output_bytes=1)
+    profile = ModelProfile(signature="uniform", microbatch_size=1, dtype="float64", device="test",
+                           torch_version="n/a", device_memory_bytes=None, layers=(layer,) * num_layers)
+    return plan_templates(profile, Cluster(workers_per_node=1, memory_per_worker=10**9), max_nodes=max_nodes,
+                          fault_tolerance=0, total_microbatches=64)
+
+
+def plans_for(phases, num_layers, global_batch, microbatch):
+    ts = templates_for(num_layers, max(max(n for p in ph.pipelines for n in p) for ph in phases) + 1)
+    plans = []
+    for g, phase in enumerate(phases):
+        inst = build_instantiation([ts.get(len(p)) for p in phase.pipelines], phase.pipelines,
+                                   global_batch, microbatch)
+        plans.append(GenerationPlan(generation=g, workers_per_node=1, instantiation=inst, templates=ts))
+    return ts, plans
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str) -> None:
+    try:
+        from oobleck_elastic.runtime.trainer import Trainer
+
+        torch.set_num_threads(1)
+        cfg = job_config(overrides)
+        store = torch.distributed.TCPStore("127.0.0.1", port, nodes, is_master=False,
+                                           timeout=__import__("datetime").timedelta(seconds=60))
+        spec = gpt_model(TINY)
+        data = SyntheticTokens(TINY, seed=0)
+        ts, plans = plans_for(phases, spec.num_layers, cfg.train.global_batch_size, cfg.train.microbatch_size)
+        me = WorkerRef(node, 0)
+        trainer = Trainer(model=spec, dataset=data, cfg=cfg, me=me, store=store)
+        records = []
+        previous = None
+        for phase, plan in zip(phases, plans):
+            transfers = ()
+            if previous is not None:
+                lost = set(previous.instantiation.nodes) - set(plan.instantiation.nodes)
+                assert not lost, "harness phases only add nodes or move them to spares"
+                recon = reconfigure(ts, previous.instantiation, joined=[])  # noqa: F841 (validation only)
+                transfers = transfers_between(ts, previous, plan)
+            if me.node in plan.instantiation.nodes:
+                trainer.build(plan, transfers)
+                for _ in range(phase.steps):
+                    s = trainer.step()
+                    records.append({"step": s.step, "loss": s.loss, "samples": s.samples,
+                                    "generation": plan.generation, "consumed": list(s.consumed)})
+            previous = plan
+        sums, norms = trainer.layer_summaries()
+        state = {i: {k: v.detach().clone() for k, v in trainer.layers[i].module.state_dict().items()}
+                 for i in trainer.layers.layers}
+        torch.save({"records": records, "state": state, "sums": sums, "norms": norms},
+                   os.path.join(outdir, f"node{node}.pt"))
+        trainer.close()
+    except BaseException:
+        with open(os.path.join(outdir, f"node{node}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def transfers_between(ts, before: GenerationPlan, after: GenerationPlan):
+    """The transfers that take `before`'s holders to `after`'s layout (same planner code)."""
+    from oobleck_elastic.planning.reconfigure import _Planner, _Group, _transfers
+
+    planner = _Planner(ts, before.instantiation, set())
+    groups = [_Group(list(p.nodes), "phase") for p in after.instantiation.pipelines]
+    return _transfers(planner, groups)
+
+
+def run_job(phases, tmp_path, overrides=(), timeout=240):
+    nodes = 1 + max(n for ph in phases for p in ph.pipelines for n in p)
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, nodes + 1, is_master=True,
+                                       timeout=__import__("datetime").timedelta(seconds=60),
+                                       wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(n, nodes + 1, port, phases, overrides, str(tmp_path)))
+             for n in range(nodes)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [open(tmp_path / f).read() for f in os.listdir(tmp_path) if f.endswith(".err")]
+    assert not errors, "\n".join(errors)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    del store
+    return {n: torch.load(tmp_path / f"node{n}.pt") for n in range(nodes)}
+
+
+def reference(steps: int, overrides=()):
+    """Single-process training on whole global batches, independent of the runtime."""
+    cfg = job_config(overrides)
+    spec = gpt_model(TINY)
+    data = SyntheticTokens(TINY, seed=0)
+    order = SampleOrder(len(data), cfg.train.seed)
+    layers = [LayerState(materialize_layer(spec, i, seed=cfg.train.seed, dtype=torch.float64), cfg.train)
+              for i in range(spec.num_layers)]
+    model = torch.nn.Sequential(*(s.module for s in layers))
+    params = [p for s in layers for p in s.params]
+    for step in range(steps):
+        x, y = data.batch(order.indices(step, cfg.train.global_batch_size))
+        loss = spec.loss(model(x), y) / cfg.train.global_batch_size
+        loss.backward()
+        if cfg.train.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip_norm)
+        for s in layers:
+            s.set_lr(lr_factor(cfg.train.lr_schedule, step, cfg.train.steps))
+            s.optimizer.step()
+            s.zero_grad()
+    return {i: s.module.state_dict() for i, s in enumerate(layers)}
