@@ -27,7 +27,6 @@ from oobleck_elastic.planning import (
     WorkerRef,
     build_instantiation,
     plan_templates,
-    reconfigure,
 )
 from oobleck_elastic.planning.cost import Cluster
 from oobleck_elastic.runtime.data import SampleOrder
@@ -63,10 +62,13 @@ def templates_for(num_layers: int, max_nodes: int):
 def plans_for(phases, num_layers, global_batch, microbatch):
     ts = templates_for(num_layers, max(max(n for p in ph.pipelines for n in p) for ph in phases) + 1)
     plans = []
+    start = 0
     for g, phase in enumerate(phases):
         inst = build_instantiation([ts.get(len(p)) for p in phase.pipelines], phase.pipelines,
                                    global_batch, microbatch)
-        plans.append(GenerationPlan(generation=g, workers_per_node=1, instantiation=inst, templates=ts))
+        plans.append(GenerationPlan(generation=g, start_step=start, workers_per_node=1, instantiation=inst,
+                                    templates=ts))
+        start += phase.steps
     return ts, plans
 
 
@@ -96,7 +98,6 @@ def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str) ->
             if previous is not None:
                 lost = set(previous.instantiation.nodes) - set(plan.instantiation.nodes)
                 assert not lost, "harness phases only add nodes or move them to spares"
-                recon = reconfigure(ts, previous.instantiation, joined=[])  # noqa: F841 (validation only)
                 transfers = transfers_between(ts, previous, plan)
             if me.node in plan.instantiation.nodes:
                 trainer.build(plan, transfers)
@@ -126,13 +127,23 @@ def transfers_between(ts, before: GenerationPlan, after: GenerationPlan):
     return _transfers(planner, groups)
 
 
+def _context():
+    # A fork server that has imported torch once makes each worker start in milliseconds
+    # instead of paying the multi-second torch import per process; unlike plain fork it never
+    # copies a parent that has already started torch's thread pools.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "runtime_harness",
+                                "oobleck_elastic.runtime.trainer"])
+    return ctx
+
+
 def run_job(phases, tmp_path, overrides=(), timeout=240):
     nodes = 1 + max(n for ph in phases for p in ph.pipelines for n in p)
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, nodes + 1, is_master=True,
                                        timeout=__import__("datetime").timedelta(seconds=60),
                                        wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     procs = [ctx.Process(target=_worker, args=(n, nodes + 1, port, phases, overrides, str(tmp_path)))
              for n in range(nodes)]
     for p in procs:

@@ -29,3 +29,34 @@ def test_two_heterogeneous_pipelines_match_reference(tmp_path):
     for step in range(4):
         consumed = [i for r in records if r["step"] == step for i in r["consumed"]]
         assert len(consumed) == 24 and len(set(consumed)) == 24, "each sample exactly once"
+
+
+def test_three_pipelines_including_a_single_stage_one(tmp_path):
+    results = run_job([Phase(pipelines=((0, 1, 2), (3,), (4, 5)), steps=3)], tmp_path)
+    assert_same_weights(results, reference(3))
+
+
+def test_rebuilt_into_a_different_layout_halfway(tmp_path):
+    # 5 workers as 2 + 3, then 6 workers as 3 + 2 + 1 in the same processes: the new worker
+    # and every moved stage receive their layers (parameters and AdamW state) by transfer.
+    phases = [Phase(pipelines=((0, 1), (2, 3, 4)), steps=2),
+              Phase(pipelines=((0, 1, 2), (3, 4), (5,)), steps=2)]
+    results = run_job(phases, tmp_path)
+    assert_same_weights(results, reference(4))
+    steps = sorted({r["step"] for res in results.values() for r in res["records"]})
+    assert steps == [0, 1, 2, 3]
+    for step in steps:
+        consumed = [i for res in results.values() for r in res["records"] if r["step"] == step for i in r["consumed"]]
+        assert sorted(consumed) == sorted(set(consumed)) and len(consumed) == 24
+
+
+def test_gradient_clipping_and_gpipe_match_reference(tmp_path):
+    overrides = ["train.grad_clip_norm=0.05", "train.schedule=GPipe",
+                 "train.lr_schedule.kind=cosine", "train.lr_schedule.warmup_steps=1", "train.steps=3"]
+    results = run_job([Phase(pipelines=((0, 1), (2, 3, 4)), steps=3)], tmp_path, overrides)
+    clipped = reference(3, overrides)
+    assert_same_weights(results, clipped)
+    # the clip was active: without it the weights differ by far more than the tolerance
+    unclipped = reference(3, [o for o in overrides if "grad_clip" not in o])
+    diff = max((clipped[i][k] - unclipped[i][k]).abs().max().item() for i in clipped for k in clipped[i])
+    assert diff > 1e-4

@@ -42,6 +42,8 @@ class StageRole:
 @dataclass(frozen=True, kw_only=True)
 class GenerationPlan:
     generation: int
+    start_step: int
+    """The first optimizer step this generation runs (steps before it are done everywhere)."""
     workers_per_node: int
     instantiation: Instantiation
     templates: TemplateSet

@@ -72,6 +72,10 @@ class Trainer:
         if self.generation is not None:
             self.generation.close()
             self.generation = None
+        if self.layers.layers and self.completed_steps != plan.start_step:
+            raise RuntimeError(f"{self.me} has completed {self.completed_steps} steps but generation "
+                               f"{plan.generation} starts at step {plan.start_step}")
+        self.completed_steps = plan.start_step
         gen = Generation(plan, self.me, self.store, self.layers, loss_fn=self._loss_fn,
                          schedule=self.cfg.train.schedule, timeout=self.timeout)
         self.generation = gen
