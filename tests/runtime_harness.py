@@ -92,24 +92,31 @@ def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str) ->
         me = WorkerRef(node, 0)
         trainer = Trainer(model=spec, dataset=data, cfg=cfg, me=me, store=store)
         records = []
+        usage = []
         previous = None
         for phase, plan in zip(phases, plans):
             transfers = ()
             if previous is not None:
                 lost = set(previous.instantiation.nodes) - set(plan.instantiation.nodes)
-                assert not lost, "harness phases only add nodes or move them to spares"
+                assert not (lost & {n for p in plan.instantiation.pipelines for n in p.nodes})
                 transfers = transfers_between(ts, previous, plan)
+                trainer.close()  # generation g is gone before g+1 is measured and built
+                usage.append(_usage())
             if me.node in plan.instantiation.nodes:
                 trainer.build(plan, transfers)
                 for _ in range(phase.steps):
                     s = trainer.step()
                     records.append({"step": s.step, "loss": s.loss, "samples": s.samples,
                                     "generation": plan.generation, "consumed": list(s.consumed)})
+            else:
+                trainer.leave()
             previous = plan
-        sums, norms = trainer.layer_summaries()
+        sums = norms = None
+        if trainer.generation is not None:
+            sums, norms = trainer.layer_summaries()
         state = {i: {k: v.detach().clone() for k, v in trainer.layers[i].module.state_dict().items()}
                  for i in trainer.layers.layers}
-        torch.save({"records": records, "state": state, "sums": sums, "norms": norms},
+        torch.save({"records": records, "state": state, "sums": sums, "norms": norms, "usage": usage},
                    os.path.join(outdir, f"node{node}.pt"))
         trainer.close()
     except BaseException:
@@ -118,11 +125,22 @@ def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str) ->
         raise
 
 
+def _usage() -> dict[str, int]:
+    import gc
+
+    import psutil
+
+    gc.collect()
+    proc = psutil.Process()
+    return {"threads": proc.num_threads(), "fds": proc.num_fds(), "rss": proc.memory_info().rss}
+
+
 def transfers_between(ts, before: GenerationPlan, after: GenerationPlan):
     """The transfers that take `before`'s holders to `after`'s layout (same planner code)."""
     from oobleck_elastic.planning.reconfigure import _Planner, _Group, _transfers
 
-    planner = _Planner(ts, before.instantiation, set())
+    gone = set(before.instantiation.nodes) - set(after.instantiation.nodes)
+    planner = _Planner(ts, before.instantiation, gone)
     groups = [_Group(list(p.nodes), "phase") for p in after.instantiation.pipelines]
     return _transfers(planner, groups)
 

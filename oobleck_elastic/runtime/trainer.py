@@ -142,6 +142,12 @@ class Trainer:
         dist.all_reduce(stats, group=None)
         return stats[:n].tolist(), stats[n:].tolist()
 
+    def leave(self) -> None:
+        """This worker is not in the next generation: close the current one and forget the
+        layers (they go stale while others train)."""
+        self.close()
+        self.layers.keep_only(())
+
     def close(self) -> None:
         if self.generation is not None:
             self.generation.close()
