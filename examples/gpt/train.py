@@ -1,0 +1,44 @@
+"""Train the GPT example.
+
+    python -m oobleck_elastic.launch --oobleck-local-nodes 4 --nproc-per-node 1 \\
+        examples/gpt/train.py --config examples/gpt/config.yaml
+    python examples/gpt/train.py --set train.dtype=float64   # alone: the single-process reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from examples.gpt.data import SyntheticTokens  # noqa: E402
+from examples.gpt.model import gpt_model, parse_gpt_config  # noqa: E402
+from oobleck_elastic.config import load_config  # noqa: E402
+from oobleck_elastic.elastic.worker import run_worker  # noqa: E402
+from oobleck_elastic.errors import OobleckError  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Train the GPT example.")
+    p.add_argument("--config", default=os.path.join(HERE, "config.yaml"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("OOBLECK_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.set)
+        gpt = parse_gpt_config(cfg.model)
+        run_worker(gpt_model(gpt), SyntheticTokens(gpt, seed=cfg.train.seed), cfg)
+    except OobleckError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

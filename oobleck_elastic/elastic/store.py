@@ -1,0 +1,111 @@
+"""The membership store: where nodes register and generations are recorded.
+
+`MembershipStore` is the small interface the rest of the elastic layer uses (an etcd-backed
+implementation sits beside the embedded one). Keys live under `oobleck/<run_id>/`; values are
+JSON (never pickle: the store is reachable over the network).
+
+Keys:
+    nodes/next         counter handing out node ids
+    nodes/<id>         {"host", "pid"} of a registered node
+    generation         {"generation", "nodes", "start_step"}: the current generation
+    profile            the profile file every worker plans from (written once)
+    progress           the latest step record, for the launcher's progress line
+    done               set when training finished
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from oobleck_elastic.errors import OobleckError
+
+__all__ = ["MembershipStore", "EmbeddedStore", "host_store", "StoreTimeout"]
+
+
+class StoreTimeout(OobleckError):
+    """A store wait ran past its timeout."""
+
+
+class MembershipStore(abc.ABC):
+    """Run-scoped JSON key-value store with counters and blocking waits."""
+
+    @abc.abstractmethod
+    def set_json(self, key: str, value: Any) -> None: ...
+
+    @abc.abstractmethod
+    def get_json(self, key: str, timeout: float) -> Any:
+        """Waits up to `timeout` seconds for `key`."""
+
+    @abc.abstractmethod
+    def try_get_json(self, key: str) -> Any | None: ...
+
+    @abc.abstractmethod
+    def add(self, key: str, amount: int) -> int: ...
+
+    @abc.abstractmethod
+    def create_json(self, key: str, value: Any) -> bool:
+        """Sets `key` only if it does not exist (compare-and-set); True if this call set it."""
+
+    @abc.abstractmethod
+    def torch_store(self) -> dist.Store:
+        """A torch Store for process groups (each generation prefixes it)."""
+
+    def register_node(self, info: dict[str, Any]) -> int:
+        node = self.add("nodes/next", 1) - 1
+        self.set_json(f"nodes/{node}", info)
+        return node
+
+
+class EmbeddedStore(MembershipStore):
+    """A TCPStore hosted by the launcher (or the first agent) at the rendezvous endpoint."""
+
+    def __init__(self, host: str, port: int, run_id: str, *, is_master: bool = False,
+                 timeout: float = 60.0) -> None:
+        self.host, self.port, self.run_id = host, port, run_id
+        self._tcp = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
+                                  timeout=timedelta(seconds=timeout), use_libuv=True)
+        self.port = self._tcp.port  # the chosen one when the server was asked for port 0
+        self._store = dist.PrefixStore(f"oobleck/{run_id}", self._tcp)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def set_json(self, key: str, value: Any) -> None:
+        self._store.set(key, json.dumps(value))
+
+    def get_json(self, key: str, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.try_get_json(key)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise StoreTimeout(f"waited {timeout:.0f} s for store key '{key}' at {self.endpoint}")
+            time.sleep(0.02)
+
+    def try_get_json(self, key: str) -> Any | None:
+        if not self._store.check([key]):
+            return None
+        return json.loads(self._store.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._store.add(key, amount))
+
+    def create_json(self, key: str, value: Any) -> bool:
+        text = json.dumps(value)
+        return self._store.compare_set(key, "", text).decode() == text
+
+    def torch_store(self) -> dist.Store:
+        return self._store
+
+
+def host_store(host: str, port: int, run_id: str, timeout: float = 60.0) -> EmbeddedStore:
+    """Starts the store server (port 0: any free port) and returns a handle to it."""
+    return EmbeddedStore(host, port, run_id, is_master=True, timeout=timeout)

@@ -1,0 +1,189 @@
+"""`python -m oobleck_elastic.launch`: torchrun's flags, our agent and rendezvous.
+
+    python -m oobleck_elastic.launch --nnodes 2 --nproc-per-node 4 --rdzv-endpoint host:29400 \\
+        train.py --config job.yaml                     # one node of a multi-machine job
+    python -m oobleck_elastic.launch --oobleck-local-nodes 4 --nproc-per-node 1 \\
+        examples/gpt/train.py --config examples/gpt/config.yaml   # a whole 4-node job here
+
+With --oobleck-local-nodes N this process hosts the membership store and starts N node agents,
+each in its own process group (so a node can be killed as a unit), and prints one progress line
+per interval; node logs go to --oobleck-log-dir (-v shows them here instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from torch.distributed.run import config_from_args, get_args_parser
+
+from oobleck_elastic.config import JobConfig, load_config
+from oobleck_elastic.errors import OobleckError
+
+__all__ = ["main", "build_parser"]
+
+logger = logging.getLogger("oobleck_elastic.launch")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = get_args_parser()
+    parser.prog = "python -m oobleck_elastic.launch"
+    parser.add_argument("--oobleck-local-nodes", type=int, default=0, metavar="N",
+                        help="start an N-node job on this machine (one agent process group per node)")
+    parser.add_argument("--oobleck-log-dir", default="runs/logs", help="per-node logs of a local job")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="show node logs and more")
+    parser.add_argument("--oobleck-node", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def job_config_of(script_args: list[str]) -> JobConfig | None:
+    """The job configuration the training script will load, if it takes --config/--set: checked
+    here so a bad value stops the launch before any worker starts."""
+    config = None
+    sets = []
+    for i, arg in enumerate(script_args):
+        if arg == "--config" and i + 1 < len(script_args):
+            config = script_args[i + 1]
+        elif arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+        elif arg == "--set" and i + 1 < len(script_args):
+            sets.append(script_args[i + 1])
+    if config is None and not sets:
+        return None
+    return load_config(config, sets)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """One node: the oobleck agent with the oobleck rendezvous (what torchrun would run)."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+
+    from oobleck_elastic.elastic.agent import OobleckAgent
+    from oobleck_elastic.elastic.rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    args.rdzv_backend = "static"  # config_from_args checks only torch's own backends
+    config, cmd, cmd_args = config_from_args(args)
+    params = RendezvousParameters(backend="oobleck", endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
+                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes, **config.rdzv_configs)
+    handler = create_handler(params)
+    spec = WorkerSpec(role="trainer", local_world_size=config.nproc_per_node, entrypoint=cmd,
+                      args=tuple(cmd_args), rdzv_handler=handler, max_restarts=config.max_restarts,
+                      monitor_interval=config.monitor_interval, master_addr=handler.store.host,
+                      master_port=handler.store.port)
+    agent = OobleckAgent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
+                         exit_barrier_timeout=60)
+    try:
+        result = agent.run()
+    finally:
+        handler.shutdown()
+    if result.is_failed():
+        for rank, failure in result.failures.items():
+            print(f"[node {handler.node}] worker {rank} failed: exit code {failure.exitcode}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _progress_line(rec: dict, first: tuple[float, int]) -> str:
+    """One line per interval; the ETA extrapolates the steps seen since the first one."""
+    step, total = rec["step"] + 1, rec.get("total_steps", 0)
+    seen_at, seen_step = first
+    done = step - seen_step
+    eta = (time.monotonic() - seen_at) / done * (total - step) if done > 0 else float("nan")
+    return (f"step {step:>5}/{total}  loss {rec['loss']:.4f}  {rec['samples_per_s']:8.1f} samples/s  "
+            f"gen {rec['generation']}  {rec['nodes']} nodes  {rec['num_pipelines']} pipelines "
+            f"{rec['pipelines']}  ETA {eta:5.0f} s")
+
+
+def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
+    from oobleck_elastic.elastic.store import host_store
+
+    nodes = args.oobleck_local_nodes
+    run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
+    port = int(args.rdzv_endpoint.rpartition(":")[2]) if args.rdzv_endpoint else 0
+    store = host_store("127.0.0.1", port, run_id)
+    os.makedirs(args.oobleck_log_dir, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    base = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}",
+            f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint=127.0.0.1:{store.port}",
+            f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
+            args.training_script, *args.training_script_args]
+    procs, logs = [], []
+    print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
+          f"127.0.0.1:{store.port}; node logs in {args.oobleck_log_dir}/", flush=True)
+    for k in range(nodes):
+        log = None if args.verbose else open(os.path.join(args.oobleck_log_dir, f"node{k}.log"), "w")  # noqa: SIM115
+        logs.append(log)
+        procs.append(subprocess.Popen(base, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                      start_new_session=True))
+    started = time.monotonic()
+    first: tuple[float, int] | None = None
+    last_step = -1
+    interval = cfg.monitoring.log_interval if cfg else 1
+    try:
+        while any(p.poll() is None for p in procs):
+            rec = store.try_get_json("progress")
+            if rec and rec["step"] != last_step:
+                first = first or (time.monotonic(), rec["step"] + 1)
+                last_step = rec["step"]
+                if (rec["step"] + 1) % interval == 0:
+                    print(_progress_line(rec, first), flush=True)
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("interrupted: stopping every node", file=sys.stderr)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            if log:
+                log.close()
+    failed = [k for k, p in enumerate(procs) if p.returncode != 0]
+    done = store.try_get_json("done")
+    if failed or not done:
+        print(f"oobleck: node(s) {failed} failed; see {args.oobleck_log_dir}/node<N>.log", file=sys.stderr)
+        for k in failed[:1]:
+            tail = open(os.path.join(args.oobleck_log_dir, f"node{k}.log")).read().splitlines()[-15:]
+            print("\n".join(f"  node{k}| {line}" for line in tail), file=sys.stderr)
+        return 1
+    print(f"oobleck: finished {done['steps']} steps in {time.monotonic() - started:.1f} s")
+    if cfg:
+        print(f"  metrics log: {cfg.monitoring.metrics_path}")
+        print(f"  TensorBoard: tensorboard --logdir {cfg.monitoring.tensorboard_dir}  "
+              "(then open http://localhost:6006)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.oobleck_node:
+            return run_node(args)
+        cfg = job_config_of(args.training_script_args)
+        if args.oobleck_local_nodes:
+            if args.oobleck_local_nodes < 1:
+                raise OobleckError(f"--oobleck-local-nodes must be >= 1, got {args.oobleck_local_nodes}")
+            return run_local_job(args, cfg)
+        return run_node(args)
+    except OobleckError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Metrics sinks (JSONL, TensorBoard), layout pictures and progress lines."""

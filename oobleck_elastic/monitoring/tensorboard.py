@@ -1,0 +1,48 @@
+"""TensorBoard sink: scalars per step, the plan as text and the layout as a picture per
+generation (the same PNG is saved next to the logs)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from oobleck_elastic.monitoring.metrics import MetricsSink
+
+__all__ = ["TensorBoardSink"]
+
+_SCALARS = {"loss": "train/loss", "samples_per_s": "train/samples_per_s", "step_time_s": "train/step_time_s",
+            "grad_norm": "train/grad_norm", "nodes": "cluster/nodes", "num_pipelines": "cluster/pipelines",
+            "lr": "train/lr"}
+
+
+class TensorBoardSink(MetricsSink):
+    def __init__(self, logdir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(logdir, exist_ok=True)
+        self.logdir = logdir
+        self.writer = SummaryWriter(logdir)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if "step" in record and "event" not in record:
+            for key, tag in _SCALARS.items():
+                if key in record:
+                    self.writer.add_scalar(tag, record[key], record["step"])
+        elif record.get("event") == "generation":
+            step = record.get("start_step", 0)
+            self.writer.add_text("plan", "    " + record["table"].replace("\n", "\n    "), step)
+            if record.get("layout_png"):
+                self._image(f"layout/generation_{record['generation']}", record["layout_png"], step)
+
+    def _image(self, tag: str, png_path: str, step: int) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        with open(png_path, "rb") as f:
+            data = f.read()
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=data)
+        self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
