@@ -94,10 +94,10 @@ def _progress_line(rec: dict, first: tuple[float, int]) -> str:
     step, total = rec["step"] + 1, rec.get("total_steps", 0)
     seen_at, seen_step = first
     done = step - seen_step
-    eta = (time.monotonic() - seen_at) / done * (total - step) if done > 0 else float("nan")
+    eta = f"{(time.monotonic() - seen_at) / done * (total - step):5.0f} s" if done > 0 else "    ? s"
     return (f"step {step:>5}/{total}  loss {rec['loss']:.4f}  {rec['samples_per_s']:8.1f} samples/s  "
             f"gen {rec['generation']}  {rec['nodes']} nodes  {rec['num_pipelines']} pipelines "
-            f"{rec['pipelines']}  ETA {eta:5.0f} s")
+            f"{rec['pipelines']}  ETA {eta}")
 
 
 def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:

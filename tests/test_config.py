@@ -81,7 +81,7 @@ def test_section_must_be_mapping(tmp_path):
 
 def test_entry_point_prints_message_without_traceback(tmp_path):
     path = write(tmp_path, "train:\n  global_batch_size: 30\n")
-    proc = subprocess.run([sys.executable, "-m", "examples.gpt.demo", "--config", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "examples.gpt.plan_demo", "--config", str(path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "error: train.global_batch_size (30) must be a multiple" in proc.stderr

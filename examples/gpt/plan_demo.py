@@ -1,7 +1,7 @@
-"""The main job for now: profile the GPT example here and plan it for a local N-node job.
+"""Planner tour: profile the GPT example here and plan it for a local N-node job.
 
-    ./launch/demo                      # 4 nodes x 1 worker, f from the config
-    ./launch/demo --nnodes 6 --set fault_tolerance=2
+    python -m examples.gpt.plan_demo                      # 4 nodes x 1 worker
+    python -m examples.gpt.plan_demo --nnodes 6 --set fault_tolerance=2
 
 Prints the pipeline templates, the instantiation, and what happens when a node fails and when
 a node joins back: the plans the training runtime will execute.
@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="./launch/demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.gpt.plan_demo", description=__doc__.split("\n")[0])
     p.add_argument("--config", default=os.path.join(HERE, "config.yaml"), help="job YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--nnodes", type=int, default=4, help="local nodes to plan for")

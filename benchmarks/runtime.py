@@ -1,0 +1,210 @@
+"""Runtime overhead: our generation/trainer against a plain torch.distributed.pipelining loop.
+
+    python benchmarks/runtime.py [--steps 12] [--workers 4]
+
+Both run in the same worker processes, alternating rounds, on the same homogeneous layout
+(2 pipelines x W/2 stages of the GPT example): the baseline is Schedule1F1B plus one
+all-reduce of each stage's flattened gradients across the pipelines and one AdamW per stage.
+Prints the median steady-state step time of each and the ratio (goal: ours within 5%). Then it
+profiles the model here, plans heterogeneous layouts and prints their measured step time beside
+the cost model's estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from examples.gpt.data import SyntheticTokens  # noqa: E402
+from examples.gpt.model import GPTConfig, gpt_model  # noqa: E402
+
+MODEL = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=6, dataset_size=4096)
+OVERRIDES = ["train.global_batch_size=64", "train.microbatch_size=4", "planner.memory_per_worker=1GB",
+             "elastic.collective_timeout_s=120", "elastic.lease_timeout_s=150", "elastic.agreement_timeout_s=200"]
+
+
+def _cfg(steps):
+    from oobleck_elastic.config import load_config
+
+    return load_config(None, [*OVERRIDES, f"train.steps={steps}"])
+
+
+def _baseline_steps(rank, pipelines, cfg, spec, data, steps, timeout):
+    """Plain pipelining: the reference implementation the runtime is measured against."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from oobleck_elastic.runtime.model import materialize_layer
+    from oobleck_elastic.runtime.data import SampleOrder
+
+    stages = len(pipelines[0])
+    p, s = divmod(rank, stages)
+    per = spec.num_layers // stages
+    bounds = [min(k * per, spec.num_layers) for k in range(stages)] + [spec.num_layers]
+    pipe_groups = [dist.new_group(list(range(q * stages, (q + 1) * stages)), timeout=timeout) for q in range(len(pipelines))]
+    stage_groups = [dist.new_group([q * stages + k for q in range(len(pipelines))], timeout=timeout) for k in range(stages)]
+    module = torch.nn.Sequential(*(materialize_layer(spec, i, seed=0, dtype=torch.float32)
+                                   for i in range(bounds[s], bounds[s + 1])))
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    stage = PipelineStage(module, s, stages, torch.device("cpu"), group=pipe_groups[p])
+    m = cfg.train.num_microbatches // len(pipelines)
+    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda o, t: spec.loss(o, t) / cfg.train.global_batch_size,
+                         scale_grads=False)
+    order = SampleOrder(len(data), 0)
+    b = cfg.train.microbatch_size
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        x, y = data.batch(order.indices(step, cfg.train.global_batch_size, p * m * b, (p + 1) * m * b))
+        if s == 0:
+            sched.step(x)
+        elif s == stages - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        grads = [q.grad for q in module.parameters()]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=stage_groups[s])
+        for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(v)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    del sched, stage, pipe_groups, stage_groups
+    return times
+
+
+def _ours_steps(rank, plan, cfg, spec, data, steps, store):
+    from oobleck_elastic.runtime.trainer import Trainer
+
+    me = plan.members[rank]
+    trainer = Trainer(model=spec, dataset=data, cfg=cfg, me=me, store=store)
+    trainer.build(plan)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        trainer.step()
+        times.append(time.perf_counter() - start)
+    trainer.close()
+    return times
+
+
+def _worker(rank, world, port, layouts, steps, rounds, queue):
+    torch.set_num_threads(1)
+    cfg = _cfg(steps)
+    spec = gpt_model(MODEL)
+    data = SyntheticTokens(MODEL, seed=0)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    timeout = datetime.timedelta(seconds=120)
+    results = []
+    runs = [(name, plan, r, kind) for name, plan in layouts for r in range(rounds)
+            for kind in (("baseline", "ours") if name == "homogeneous" else ("ours",))]
+    for gen, (name, plan, r, kind) in enumerate(runs):
+        if rank >= len(plan.members):
+            continue  # layouts smaller than the process count leave the rest idle
+        sub = dist.PrefixStore(f"bench{gen}", store)
+        if kind == "baseline":
+            dist.init_process_group("gloo", store=sub, rank=rank, world_size=len(plan.members), timeout=timeout)
+            times = _baseline_steps(rank, [p.nodes for p in plan.instantiation.pipelines], cfg, spec, data,
+                                    steps, timeout)
+            dist.destroy_process_group()
+        else:
+            times = _ours_steps(rank, dataclasses.replace(plan, generation=gen), cfg, spec, data, steps, sub)
+        results.append((name, kind, r, times[2:]))  # the first steps infer shapes
+    queue.put((rank, results))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workers", type=int, default=4, help="even: 2 pipelines of workers/2 stages")
+    args = p.parse_args()
+    from oobleck_elastic.planning import build_instantiation, plan_templates
+    from oobleck_elastic.planning.job import make_cluster
+    from oobleck_elastic.runtime.plan import GenerationPlan
+    from oobleck_elastic.runtime.profiler import profile_model
+
+    cfg = _cfg(args.steps)
+    spec = gpt_model(MODEL)
+    profile = profile_model(spec, microbatch_size=cfg.train.microbatch_size, dtype="float32", iterations=5)
+    cluster = make_cluster(cfg.planner, profile, 1)
+    ts = plan_templates(profile, cluster, max_nodes=args.workers + 2, fault_tolerance=0,
+                        total_microbatches=cfg.train.num_microbatches)
+    half = args.workers // 2
+
+    def layout(sizes):
+        nodes, start = [], 0
+        for size in sizes:
+            nodes.append(list(range(start, start + size)))
+            start += size
+        inst = build_instantiation([ts.get(n) for n in sizes], nodes, cfg.train.global_batch_size,
+                                   cfg.train.microbatch_size)
+        return GenerationPlan(generation=0, start_step=0, workers_per_node=1, instantiation=inst, templates=ts)
+
+    homogeneous = layout([half, half])
+    # the baseline splits layers evenly; give ours the same split so only the runtime differs
+    even = [k * (spec.num_layers // half) for k in range(half)] + [spec.num_layers]
+    from oobleck_elastic.planning import template_from_bounds
+
+    same = template_from_bounds(profile, cluster, half, even, ts.get(half).microbatches)
+    ts_even = dataclasses.replace(ts, templates=tuple(same if t.nodes == half else t for t in ts.templates))
+    homogeneous = dataclasses.replace(homogeneous, templates=ts_even)
+    hetero = [("hetero " + "+".join(map(str, sizes)), layout(sizes)) for sizes in ([2, 3], [1, 2, 3]) if sum(sizes) <= 6]
+    layouts = [("homogeneous", homogeneous), *hetero]
+    world = max(len(pl.members) for _, pl in layouts)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, server.port, layouts, args.steps, args.rounds, queue))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=5))
+        except Exception:  # queue.Empty: fail fast if a worker died instead of waiting forever
+            dead = [p_.exitcode for p_ in procs if p_.exitcode not in (None, 0)]
+            if dead:
+                for p_ in procs:
+                    p_.kill()
+                raise SystemExit(f"a benchmark worker failed (exit codes {dead})") from None
+    for proc in procs:
+        proc.join(60)
+    # a step's time is the slowest rank's
+    by_key: dict[tuple[str, str, int], list[list[float]]] = {}
+    for _, rows in results:
+        for name, kind, r, times in rows:
+            by_key.setdefault((name, kind, r), []).append(times)
+    step_times = {k: [max(ts_) for ts_ in zip(*v)] for k, v in by_key.items()}
+    med = {}
+    for (name, kind, _), times in step_times.items():
+        med.setdefault((name, kind), []).extend(times)
+    base = statistics.median(med[("homogeneous", "baseline")])
+    ours = statistics.median(med[("homogeneous", "ours")])
+    print(f"homogeneous 2 x {half} stages, {args.rounds} alternating rounds x {args.steps - 2} steps:")
+    print(f"  baseline (plain pipelining + one all-reduce per stage): {base * 1e3:8.1f} ms/step")
+    print(f"  oobleck runtime:                                         {ours * 1e3:8.1f} ms/step")
+    print(f"  ratio ours/baseline: {ours / base:.3f} (goal <= 1.05)")
+    for name, plan in hetero:
+        measured = statistics.median(med[(name, "ours")])
+        print(f"{name}: measured {measured * 1e3:8.1f} ms/step, cost model {plan.instantiation.iteration_ms:8.1f} ms "
+              f"(ratio {measured * 1e3 / plan.instantiation.iteration_ms:.2f}; the model has no optimizer "
+              "step or gradient all-reduce, and workers here share 2 cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
