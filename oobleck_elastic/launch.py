@@ -56,7 +56,11 @@ def job_config_of(script_args: list[str]) -> JobConfig | None:
             sets.append(script_args[i + 1])
     if config is None and not sets:
         return None
-    return load_config(config, sets)
+    from oobleck_elastic.runtime.trainer import check_supported
+
+    cfg = load_config(config, sets)
+    check_supported(cfg)
+    return cfg
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -100,6 +104,40 @@ def _progress_line(rec: dict, first: tuple[float, int]) -> str:
             f"{rec['pipelines']}  ETA {eta}")
 
 
+def _recovery_line(rec: dict) -> str:
+    what = (f"lost node(s) {rec['lost']}" if rec["lost"] else "") + (f" joined {rec['joined']}" if rec["joined"] else "")
+    return (f"recovery -> generation {rec['generation']}: {what.strip()} at step {rec['step'] + 1}, "
+            f"{rec['total_s']:.2f} s (teardown {rec['phases_s']['teardown']:.2f}, agree "
+            f"{rec['phases_s']['agree']:.2f}, rebuild+transfer {rec['phases_s']['rebuild_and_transfer']:.2f}), "
+            f"{rec['transfers']} layer copies ({rec['bytes_moved'] / 2**20:.1f} MiB); "
+            + "; ".join(rec["actions"]))
+
+
+def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> None:
+    """A node whose agent process exited before the run is done is dead: say so in the store
+    at once (faster than its lease expiring)."""
+    from oobleck_elastic.elastic.membership import mark_dead
+
+    if store.try_get_json("done"):
+        return
+    for k, p in enumerate(procs):
+        if k in dead or p.poll() is None:
+            continue
+        dead.add(k)
+        node = _node_of_pid(store, p.pid)
+        if node is not None:
+            mark_dead(store, node, f"agent exited with {p.returncode}")
+            print(f"oobleck: node {node} died (agent exit code {p.returncode})", flush=True)
+
+
+def _node_of_pid(store, pid: int) -> int | None:
+    for node in range(store.add("nodes/next", 0)):
+        info = store.try_get_json(f"nodes/{node}")
+        if info and info.get("pid") == pid:
+            return node
+    return None
+
+
 def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     from oobleck_elastic.elastic.store import host_store
 
@@ -109,6 +147,8 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     store = host_store("127.0.0.1", port, run_id)
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if cfg:
+        env["OOBLECK_HEARTBEAT_S"] = str(cfg.elastic.heartbeat_interval_s)
     base = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}",
             f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint=127.0.0.1:{store.port}",
             f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
@@ -125,17 +165,24 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     first: tuple[float, int] | None = None
     last_step = -1
     interval = cfg.monitoring.log_interval if cfg else 1
+    generation = 0
+    dead: set[int] = set()
     try:
         while any(p.poll() is None for p in procs):
+            _mark_dead_nodes(store, procs, dead)
             rec = store.try_get_json("progress")
             if rec and rec["step"] != last_step:
                 first = first or (time.monotonic(), rec["step"] + 1)
                 last_step = rec["step"]
                 if (rec["step"] + 1) % interval == 0:
                     print(_progress_line(rec, first), flush=True)
-            if any(p.returncode not in (None, 0) for p in procs):
+            recovery = store.try_get_json(f"recovery/{generation + 1}")
+            if recovery:
+                generation += 1
+                print(_recovery_line(recovery), flush=True)
+            if len(dead) == len(procs):
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
     except KeyboardInterrupt:
         print("interrupted: stopping every node", file=sys.stderr)
     finally:
@@ -153,7 +200,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
                 log.close()
     failed = [k for k, p in enumerate(procs) if p.returncode != 0]
     done = store.try_get_json("done")
-    if failed or not done:
+    if not done:
         print(f"oobleck: node(s) {failed} failed; see {args.oobleck_log_dir}/node<N>.log", file=sys.stderr)
         for k in failed[:1]:
             tail = open(os.path.join(args.oobleck_log_dir, f"node{k}.log")).read().splitlines()[-15:]

@@ -7,6 +7,7 @@ Global rank 0 writes the metrics log, TensorBoard and the progress record.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -16,11 +17,21 @@ from dataclasses import dataclass
 import torch
 
 from oobleck_elastic.config import JobConfig
+from oobleck_elastic.elastic.faults import FaultInjector
+from oobleck_elastic.elastic.membership import LeaseWatcher, StepAborted, commit_step, decide_abort, propose_generation, roll_call
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, host_store
 from oobleck_elastic.monitoring.layout import render_layout
 from oobleck_elastic.monitoring.metrics import JsonlSink, MetricsSink, MultiSink
 from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
-from oobleck_elastic.planning import ModelProfile, TemplateSet, WorkerRef, instantiate, layer_holders, plan_templates
+from oobleck_elastic.planning import (
+    ModelProfile,
+    TemplateSet,
+    WorkerRef,
+    instantiate,
+    layer_holders,
+    plan_templates,
+    reconfigure,
+)
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.report import instantiation_table
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
@@ -109,51 +120,146 @@ def _step_record(stats: StepStats, plan: GenerationPlan, cfg: JobConfig) -> dict
             "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": cfg.train.steps}
 
 
+class _Run:
+    """One worker's view of the run across generations: plans, trains, recovers."""
+
+    def __init__(self, model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv,
+                 store: EmbeddedStore, fault: FaultInjector | None) -> None:
+        self.model, self.cfg, self.env, self.store = model, cfg, env, store
+        self.me = WorkerRef(env.node, env.local_rank)
+        self.fault = fault
+        self.watcher = LeaseWatcher(store, cfg.elastic.lease_timeout_s)
+        self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
+                               fault=fault)
+        self.sink: MetricsSink | None = None
+        self.templates: TemplateSet | None = None
+        self.plan: GenerationPlan | None = None
+
+    def start(self) -> None:
+        record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
+        nodes = record["nodes"]
+        profile = _profile(self.store, self.env, min(nodes), self.model, self.cfg)
+        cluster = make_cluster(self.cfg.planner, profile, self.env.local_world_size)
+        self.templates = plan_templates(profile, cluster, max_nodes=len(nodes),
+                                        fault_tolerance=self.cfg.fault_tolerance,
+                                        total_microbatches=self.cfg.train.num_microbatches)
+        inst = instantiate(self.templates, nodes, self.cfg.train.global_batch_size, self.cfg.train.microbatch_size)
+        self._enter(GenerationPlan(generation=record["generation"], start_step=record["start_step"],
+                                   workers_per_node=self.env.local_world_size, instantiation=inst,
+                                   templates=self.templates), ())
+
+    def _enter(self, plan: GenerationPlan, transfers) -> int:
+        self.plan = plan
+        moved = self.trainer.build(plan, transfers)
+        if plan.rank_of(self.me) == 0 and self.sink is None:
+            self.sink = _sinks(self.cfg)
+        if self.sink:
+            self.sink.write(_generation_record(plan, self.templates, self.model.num_layers, self.cfg))
+        return moved
+
+    def step(self) -> None:
+        plan = self.plan
+        if self.fault:
+            self.fault.step = self.trainer.completed_steps
+        computed = self.trainer.compute()
+        if self.fault:
+            self.fault("commit")
+        commit_step(self.store, plan.generation, computed.stats.step, len(plan.members), plan.instantiation.nodes,
+                    self.watcher, self.cfg.elastic.agreement_timeout_s)
+        if self.sink:
+            rec = _step_record(computed.stats, plan, self.cfg)
+            self.sink.write(rec)
+            self.store.set_json("progress", rec)
+        self.trainer.apply(computed)
+
+    def recover(self, cause: str) -> None:
+        """Agrees on the next generation and rebuilds into it (Note: [roll call])."""
+        started = time.perf_counter()
+        old = self.plan
+        step = self.trainer.completed_steps
+        self.trainer.close()  # frees gloo sockets: peers blocked on us fail fast
+        t_teardown = time.perf_counter()
+        if decide_abort(self.store, old.generation, step) == "commit":
+            raise AssertionError("a committed step cannot fail before apply(): apply is local")
+        self.trainer.discard()
+        if self.fault:
+            self.fault("agreement")
+        alive, dead = roll_call(self.store, old.generation, (self.me.node, self.me.local_rank),
+                                list(old.instantiation.nodes), self.env.local_world_size, self.watcher,
+                                self.cfg.elastic.agreement_timeout_s)
+        t_agree = time.perf_counter()
+        if not dead:
+            raise RuntimeError(f"{cause} but every node answered the roll call: not a node failure")
+        record = propose_generation(self.store, old.generation + 1,
+                                    {"generation": old.generation + 1, "nodes": alive, "start_step": step,
+                                     "lost": dead, "cause": cause}, self.cfg.elastic.agreement_timeout_s)
+        if self.me.node not in record["nodes"] or record["start_step"] != step:
+            logger.error("[node %d] fenced out of generation %d", self.me.node, record["generation"])
+            os._exit(3)
+        recon = reconfigure(self.templates, old.instantiation, lost=record["lost"])
+        plan = GenerationPlan(generation=record["generation"], start_step=step,
+                              workers_per_node=self.env.local_world_size, instantiation=recon.instantiation,
+                              templates=self.templates)
+        moved = self._enter(plan, recon.transfers)
+        t_done = time.perf_counter()
+        if self.sink:
+            rec = {"event": "recovery", "generation": plan.generation, "cause": cause, "lost": record["lost"],
+                   "joined": [], "step": step, "actions": list(recon.actions), "warnings": list(recon.warnings),
+                   "bytes_moved": recon.bytes_moved, "transfers": len(recon.transfers),
+                   "phases_s": {"teardown": t_teardown - started, "agree": t_agree - t_teardown,
+                                "rebuild_and_transfer": t_done - t_agree},
+                   "total_s": t_done - started, "moved_here_bytes": moved}
+            self.sink.write(rec)
+            self.store.set_json(f"recovery/{plan.generation}", rec)
+
+    def run(self) -> None:
+        self.start()
+        while self.trainer.completed_steps < self.cfg.train.steps:
+            cause = None
+            try:
+                self.step()
+            except (RuntimeError, StepAborted) as exc:  # gloo errors are RuntimeErrors
+                cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            if cause is not None:
+                # Recover only after leaving the except block: until then the exception and
+                # its traceback keep the dead generation's groups (and their sockets) alive,
+                # and peers blocked on them would wait for the collective timeout.
+                logger.warning("[node %d rank %d] step %d failed (%s); recovering", self.me.node,
+                               self.me.local_rank, self.trainer.completed_steps, cause)
+                self.recover(cause)
+        sums, norms = self.trainer.layer_summaries()
+        if self.sink:
+            self.sink.write({"event": "final", "steps": self.trainer.completed_steps, "param_sums": sums,
+                             "param_norms": norms})
+            self.store.set_json("done", {"steps": self.trainer.completed_steps})
+
+    def close(self) -> None:
+        self.trainer.close()
+        if self.sink:
+            self.sink.close()
+
+
 def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv | None = None) -> None:
     """Trains `model` on `dataset` as one worker of the run described by the environment; with
     no oobleck environment, trains alone (one node, one worker: the single-process reference)."""
     env = env or WorkerEnv.from_environ()
     local_server = None
+    fault = None
     if env is None:
         local_server = host_store("127.0.0.1", 0, "standalone")
         env = WorkerEnv("127.0.0.1", local_server.port, "standalone", 0, 0, 1)
         local_server.set_json("generation", {"generation": 0, "nodes": [0], "start_step": 0})
         if cfg.fault_tolerance:
             logger.warning("running alone: fault_tolerance=%d needs more nodes, using 0", cfg.fault_tolerance)
-            cfg = type(cfg)(**{**cfg.__dict__, "fault_tolerance": 0})
+            cfg = dataclasses.replace(cfg, fault_tolerance=0)
     else:
         _watch_parent()
+        fault = FaultInjector.from_environ(env.node)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     store = EmbeddedStore(env.store_host, env.store_port, env.run_id, timeout=cfg.elastic.join_timeout_s)
-    record = store.get_json("generation", cfg.elastic.join_timeout_s)
-    nodes = record["nodes"]
-    profile = _profile(store, env, min(nodes), model, cfg)
-    cluster = make_cluster(cfg.planner, profile, env.local_world_size)
-    ts = plan_templates(profile, cluster, max_nodes=len(nodes), fault_tolerance=cfg.fault_tolerance,
-                        total_microbatches=cfg.train.num_microbatches)
-    inst = instantiate(ts, nodes, cfg.train.global_batch_size, cfg.train.microbatch_size)
-    plan = GenerationPlan(generation=record["generation"], start_step=record["start_step"],
-                          workers_per_node=env.local_world_size, instantiation=inst, templates=ts)
-    me = WorkerRef(env.node, env.local_rank)
-    trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=me, store=store.torch_store())
-    sink = _sinks(cfg) if plan.rank_of(me) == 0 else None
+    run = _Run(model, dataset, cfg, env, store, fault)
     try:
-        trainer.build(plan)
-        if sink:
-            sink.write(_generation_record(plan, ts, model.num_layers, cfg))
-        while trainer.completed_steps < cfg.train.steps:
-            stats = trainer.step()
-            if sink:
-                rec = _step_record(stats, plan, cfg)
-                sink.write(rec)
-                store.set_json("progress", rec)
-        sums, norms = trainer.layer_summaries()
-        if sink:
-            sink.write({"event": "final", "steps": trainer.completed_steps, "param_sums": sums,
-                        "param_norms": norms})
-            store.set_json("done", {"steps": trainer.completed_steps})
+        run.run()
     finally:
-        trainer.close()
-        if sink:
-            sink.close()
+        run.close()
         del local_server

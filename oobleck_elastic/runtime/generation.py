@@ -31,24 +31,38 @@ logger = logging.getLogger(__name__)
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 
 
-class StageModule(nn.Module):
-    """The layers of one stage applied in order (modules owned by the LayerStore)."""
+def _no_fault(phase: str) -> None:
+    return None
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+
+class StageModule(nn.Module):
+    """The layers of one stage applied in order (modules owned by the LayerStore). `fault` is
+    called with "forward" before each forward and "backward" when the output's gradient
+    arrives: the fault-injection points inside the schedule."""
+
+    def __init__(self, layers: list[nn.Module], fault=_no_fault) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.fault = fault
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fault("forward")
         for layer in self.layers:
             x = layer(x)
+        if x.requires_grad:
+            x.register_hook(self._backward_hook)
         return x
+
+    def _backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        self.fault("backward")
+        return grad
 
 
 class Generation:
     """Process groups, pipeline stage, schedule and gradient groups of one generation."""
 
     def __init__(self, plan: GenerationPlan, me: WorkerRef, store: dist.Store, layers: LayerStore,
-                 *, loss_fn, schedule: str, timeout: timedelta) -> None:
+                 *, loss_fn, schedule: str, timeout: timedelta, fault=_no_fault) -> None:
         self.plan = plan
         self.me = me
         self.rank = plan.rank_of(me)
@@ -72,6 +86,7 @@ class Generation:
         self.schedule = None
         self._loss_fn = loss_fn
         self._schedule_name = schedule
+        self._fault = fault
 
     def _pipeline_rank_sets(self) -> list[set[int]]:
         sets: dict[int, set[int]] = {}
@@ -83,7 +98,7 @@ class Generation:
         """Builds this worker's stage and schedule once its layers are in place."""
         role = self.role
         modules = [self.layers[i].module for i in range(*role.layers)]
-        self.stage_module = StageModule(modules)
+        self.stage_module = StageModule(modules, self._fault)
         self.stage = PipelineStage(self.stage_module, role.stage, role.num_stages,
                                    self.layers.device, group=self.pipeline_group)
         # new_group sorts its ranks: map each stage to its group rank explicitly.
@@ -107,6 +122,7 @@ class Generation:
 
     def sync_gradients(self) -> None:
         """Sums each layer's gradient over its replicas: one flat all-reduce per replica set."""
+        self._fault("grad_sync")
         pending = []
         for group, layer_ids in self.grad_groups:
             grads = [g for i in layer_ids for g in self.layers[i].grads()]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
+from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime.data import SampleOrder
 from oobleck_elastic.runtime.generation import SCHEDULES, Generation
@@ -26,15 +27,31 @@ from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.transfer import run_transfers
 
-__all__ = ["Trainer", "StepStats", "Dataset"]
+__all__ = ["Trainer", "StepStats", "Dataset", "check_supported"]
 
 logger = logging.getLogger(__name__)
+
+
+def check_supported(cfg: JobConfig) -> None:
+    """Raises ConfigError for configurations the runtime cannot run (checked by the launcher
+    before any worker starts, and again by each trainer)."""
+    if cfg.train.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule {cfg.train.schedule!r} is not supported by the runtime yet "
+                          f"(it needs non-contiguous layer ranges per worker); use one of {sorted(SCHEDULES)}")
 
 
 class Dataset(Protocol):
     def __len__(self) -> int: ...
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class _Computed:
+    """A step whose gradients are summed and reduced but not yet applied."""
+
+    stats: StepStats
+    clip_coef: float
 
 
 @dataclass(frozen=True)
@@ -50,10 +67,9 @@ class StepStats:
 
 class Trainer:
     def __init__(self, *, model: ModelSpec, dataset: Dataset, cfg: JobConfig, me: WorkerRef,
-                 store: dist.Store, device: torch.device | str = "cpu") -> None:
-        if cfg.train.schedule not in SCHEDULES:
-            raise ValueError(f"train.schedule {cfg.train.schedule!r} is not supported by the runtime yet; "
-                             f"use one of {sorted(SCHEDULES)}")
+                 store: dist.Store, device: torch.device | str = "cpu", fault=None) -> None:
+        check_supported(cfg)
+        self.fault = fault or (lambda phase: None)
         self.model = model
         self.dataset = dataset
         self.cfg = cfg
@@ -77,8 +93,10 @@ class Trainer:
                                f"{plan.generation} starts at step {plan.start_step}")
         self.completed_steps = plan.start_step
         gen = Generation(plan, self.me, self.store, self.layers, loss_fn=self._loss_fn,
-                         schedule=self.cfg.train.schedule, timeout=self.timeout)
+                         schedule=self.cfg.train.schedule, timeout=self.timeout, fault=self.fault)
         self.generation = gen
+        if transfers:
+            self.fault("transfer")
         moved = run_transfers(transfers, plan, self.me, self.layers, stepped=self.completed_steps > 0,
                               timeout=self.timeout)
         needed = list(gen.held_layers())
@@ -94,6 +112,14 @@ class Trainer:
         return moved
 
     def step(self) -> StepStats:
+        """compute() then apply(): one whole step, for callers without a commit protocol."""
+        computed = self.compute()
+        self.apply(computed)
+        return computed.stats
+
+    def compute(self) -> _Computed:
+        """Forward, backward, gradient sums and the world-wide statistics of the next step.
+        Every collective of the step happens here; apply() is local."""
         gen = self.generation
         step = self.completed_steps
         start = time.perf_counter()
@@ -111,23 +137,33 @@ class Trainer:
         gen.sync_gradients()
         loss, samples, sq_norm = gen.reduce_stats(loss_sum, samples)
         norm = math.sqrt(sq_norm)
-        held = [self.layers[i] for i in gen.held_layers()]
         clip = self.cfg.train.grad_clip_norm
-        if clip is not None:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for state in held:
-                    for g in state.grads():
-                        g.mul_(coef)
-        factor = lr_factor(self.cfg.train.lr_schedule, step, self.cfg.train.steps)
-        for state in held:
+        coef = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
+        stats = StepStats(step=step, loss=loss, samples=samples, grad_norm=norm,
+                          seconds=time.perf_counter() - start, consumed=consumed)
+        return _Computed(stats=stats, clip_coef=coef)
+
+    def apply(self, computed: _Computed) -> None:
+        """Clips and steps every held layer's optimizer (local: cannot fail because of a peer)."""
+        assert computed.stats.step == self.completed_steps, "apply() must follow its own compute()"
+        factor = lr_factor(self.cfg.train.lr_schedule, computed.stats.step, self.cfg.train.steps)
+        for n, i in enumerate(self.generation.held_layers()):
+            state = self.layers[i]
+            if computed.clip_coef < 1.0:
+                for g in state.grads():
+                    g.mul_(computed.clip_coef)
             state.set_lr(factor)
             if state.optimizer:
                 state.optimizer.step()
             state.zero_grad()
+            if n == 0:
+                self.fault("optimizer")
         self.completed_steps += 1
-        return StepStats(step=step, loss=loss, samples=samples, grad_norm=norm,
-                         seconds=time.perf_counter() - start, consumed=consumed)
+
+    def discard(self) -> None:
+        """Drops the gradients of an aborted step (it will be replayed)."""
+        for state in self.layers.layers.values():
+            state.zero_grad()
 
     def layer_summaries(self) -> tuple[list[float], list[float]]:
         """float64 sum and L2 norm of every layer's parameters, world-wide (each layer once)."""

@@ -1,0 +1,65 @@
+"""Fault injection for tests and demos: SIGKILL a whole node at a named phase of a step.
+
+    OOBLECK_FAULT="node=2,step=7,phase=backward"            one fault
+    OOBLECK_FAULT="node=2,step=7,phase=backward;node=0,step=9,phase=commit"
+
+Phases: forward, backward, grad_sync, commit, optimizer, transfer, agreement. A worker of the
+named node that reaches the phase of that step kills its agent's process group (the node) and
+itself, like a machine dying: no cleanup, no goodbye.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from oobleck_elastic.errors import ConfigError
+
+__all__ = ["Fault", "parse_faults", "FaultInjector", "PHASES"]
+
+PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "transfer", "agreement")
+
+
+@dataclass(frozen=True)
+class Fault:
+    node: int
+    step: int
+    phase: str
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        fields = dict(item.split("=", 1) for item in part.split(",") if "=" in item)
+        if set(fields) != {"node", "step", "phase"} or fields["phase"] not in PHASES:
+            raise ConfigError(f"OOBLECK_FAULT entry {part!r} must be node=N,step=K,phase=P with P one of "
+                              f"{', '.join(PHASES)}")
+        faults.append(Fault(int(fields["node"]), int(fields["step"]), fields["phase"]))
+    return faults
+
+
+class FaultInjector:
+    """Called by the runtime at each phase; kills this node when a fault matches."""
+
+    def __init__(self, node: int, faults: list[Fault]) -> None:
+        self.node = node
+        self.faults = [f for f in faults if f.node == node]
+        self.step = -1
+
+    @classmethod
+    def from_environ(cls, node: int) -> FaultInjector:
+        return cls(node, parse_faults(os.environ.get("OOBLECK_FAULT", "")))
+
+    def __call__(self, phase: str) -> None:
+        if any(f.step == self.step and f.phase == phase for f in self.faults):
+            self.kill_node()
+
+    @staticmethod
+    def kill_node() -> None:
+        agent = os.getppid()
+        try:
+            os.killpg(os.getpgid(agent), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,136 @@
+"""Liveness and agreement on the membership store: leases, step commits, roll calls.
+
+Note: [step transaction]
+    Step k of generation g is committed when every member worker has finished its collectives
+    for it: each adds 1 to `gen<g>/step<k>/ready`; the one that brings it to the world size
+    writes `gen<g>/step<k>/decision` = "commit" with compare-and-set. A worker that fails, or
+    that sees a member dead while waiting, writes "abort" with the same compare-and-set, so a
+    late commit cannot race an abort: exactly one decision exists. Committed: every survivor
+    applies its optimizer step (local work, nothing can fail remotely). Aborted: gradients are
+    dropped everywhere and the step is replayed with the same samples in generation g+1.
+
+Note: [roll call]
+    After a failure every surviving worker checks in under `rollcall/<g>/<node>/<rank>`. The
+    roll call is complete when every member node of g has all its workers checked in or is
+    known dead (marked dead by its launcher, or its heartbeat lease expired), or at
+    `elastic.agreement_timeout_s`. The lowest complete node proposes generation g+1 (its
+    complete nodes, the committed step count) with compare-and-set on `generation/<g+1>`;
+    everyone adopts whatever won. A worker whose node is not in it is fenced and exits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+from oobleck_elastic.elastic.store import MembershipStore
+
+__all__ = ["Heartbeat", "LeaseWatcher", "StepAborted", "commit_step", "decide_abort", "roll_call",
+           "propose_generation", "mark_dead"]
+
+
+class StepAborted(Exception):
+    """The step was aborted by another worker (a member failed before the commit)."""
+
+
+def mark_dead(store: MembershipStore, node: int, why: str) -> None:
+    store.set_json(f"nodes/{node}/dead", {"why": why, "at": time.time()})
+
+
+class Heartbeat:
+    """An agent's lease: a counter bumped every `interval` seconds by a daemon thread."""
+
+    def __init__(self, store: MembershipStore, node: int, interval: float) -> None:
+        self.store, self.node, self.interval = store, node, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"oobleck-heartbeat-{node}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(f"lease/{self.node}", 1)
+            except Exception:  # the store's host is gone: the launcher will notice
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class LeaseWatcher:
+    """Decides which nodes are dead: marked dead, or lease unchanged for `timeout` seconds."""
+
+    def __init__(self, store: MembershipStore, timeout: float) -> None:
+        self.store, self.timeout = store, timeout
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def dead(self, nodes: Iterable[int]) -> set[int]:
+        now = time.monotonic()
+        out = set()
+        for node in nodes:
+            if self.store.try_get_json(f"nodes/{node}/dead") is not None:
+                out.add(node)
+                continue
+            beat = self.store.add(f"lease/{node}", 0)
+            last = self._seen.get(node)
+            if last is None or last[0] != beat:
+                self._seen[node] = (beat, now)
+            elif now - last[1] > self.timeout:
+                out.add(node)
+        return out
+
+
+def commit_step(store: MembershipStore, generation: int, step: int, world_size: int, members: Iterable[int],
+                watcher: LeaseWatcher, timeout: float) -> None:
+    """Reports this worker ready for `step` and waits for the decision (Note: [step transaction]).
+    Raises StepAborted if the step was aborted."""
+    key = f"gen{generation}/step{step}"
+    if store.add(f"{key}/ready", 1) == world_size:
+        store.create_json(f"{key}/decision", "commit")
+    members = list(members)
+    deadline = time.monotonic() + timeout
+    while True:
+        decision = store.try_get_json(f"{key}/decision")
+        if decision is not None:
+            break
+        if store.try_get_json(f"rollcall/{generation}/started") or watcher.dead(members):
+            decision = decide_abort(store, generation, step)
+            break
+        if time.monotonic() > deadline:
+            decision = decide_abort(store, generation, step)
+            break
+        time.sleep(0.002)
+    if decision != "commit":
+        raise StepAborted(f"step {step} of generation {generation} was aborted")
+
+
+def decide_abort(store: MembershipStore, generation: int, step: int) -> str:
+    """Aborts the step unless it is already committed; returns the decision that stands."""
+    key = f"gen{generation}/step{step}/decision"
+    store.create_json(key, "abort")
+    return store.get_json(key, 10.0)
+
+
+def roll_call(store: MembershipStore, generation: int, me: tuple[int, int], members: list[int],
+              workers_per_node: int, watcher: LeaseWatcher, timeout: float) -> tuple[list[int], list[int]]:
+    """Checks in and waits for the roll call (Note: [roll call]); returns (alive, dead) nodes."""
+    store.set_json(f"rollcall/{generation}/started", True)
+    store.set_json(f"rollcall/{generation}/{me[0]}/{me[1]}", True)
+    deadline = time.monotonic() + timeout
+    while True:
+        present = {n for n in members if all(store.try_get_json(f"rollcall/{generation}/{n}/{w}")
+                                             for w in range(workers_per_node))}
+        dead = watcher.dead(set(members) - present)
+        if present | dead == set(members) or time.monotonic() > deadline:
+            return sorted(present), sorted(set(members) - present)
+        time.sleep(0.005)
+
+
+def propose_generation(store: MembershipStore, generation: int, record: dict, timeout: float) -> dict:
+    """Writes generation/<g> if nobody has (compare-and-set) and returns the record that won."""
+    store.create_json(f"generation/{generation}", record)
+    won = store.get_json(f"generation/{generation}", timeout)
+    store.set_json("generation", won)
+    return won
+
