@@ -201,10 +201,16 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     failed = [k for k, p in enumerate(procs) if p.returncode != 0]
     done = store.try_get_json("done")
     if not done:
-        print(f"oobleck: node(s) {failed} failed; see {args.oobleck_log_dir}/node<N>.log", file=sys.stderr)
-        for k in failed[:1]:
-            tail = open(os.path.join(args.oobleck_log_dir, f"node{k}.log")).read().splitlines()[-15:]
-            print("\n".join(f"  node{k}| {line}" for line in tail), file=sys.stderr)
+        print(f"oobleck: the job did not finish; node logs (by start order): "
+              f"{', '.join(f'{args.oobleck_log_dir}/node{k}.log' for k in failed)}", file=sys.stderr)
+        for k in failed:
+            if args.verbose:
+                break
+            lines = open(os.path.join(args.oobleck_log_dir, f"node{k}.log")).read().splitlines()
+            errors = [line for line in lines if line.startswith("error:")]
+            if errors:
+                print(f"  {errors[-1]}", file=sys.stderr)
+                break
         return 1
     print(f"oobleck: finished {done['steps']} steps in {time.monotonic() - started:.1f} s")
     if cfg:

@@ -70,3 +70,31 @@ def test_kill_a_node_at_each_phase(tmp_path, failure_free, phase):
     assert steps[-1]["nodes"] == 4 and steps[-1]["generation"] == 1
     assert "recovery -> generation 1: lost node(s) [1]" in stdout
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_two_simultaneous_kills_with_f2(tmp_path, failure_free):
+    fault = "node=1,step=3,phase=backward;node=3,step=3,phase=backward"
+    args_f2 = ["--set", "fault_tolerance=2"]
+    env = {**os.environ, "OOBLECK_FAULT": fault}
+    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=6",
+                           "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT,
+                           *job_args(tmp_path, "job"), *args_f2], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = records(tmp_path / "job/metrics.jsonl")
+    first = [r for r in log if r.get("event") == "generation"][0]
+    assert len(first["pipelines"]) == 3
+    recoveries = [r for r in log if r.get("event") == "recovery"]
+    assert [sorted(r["lost"]) for r in recoveries] == [[1, 3]]
+    steps = [r for r in log if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps] == list(range(STEPS))
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_second_kill_during_agreement(tmp_path, failure_free):
+    _, log = run_with_faults(tmp_path, 5, "node=1,step=2,phase=backward;node=2,step=2,phase=agreement")
+    recoveries = [r for r in log if r.get("event") == "recovery"]
+    assert sorted(n for r in recoveries for n in r["lost"]) == [1, 2]
+    steps = [r for r in log if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps] == list(range(STEPS))
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
