@@ -166,6 +166,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     last_step = -1
     interval = cfg.monitoring.log_interval if cfg else 1
     generation = 0
+    finished_at = None
     dead: set[int] = set()
     try:
         while any(p.poll() is None for p in procs):
@@ -182,6 +183,13 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
                 print(_recovery_line(recovery), flush=True)
             if len(dead) == len(procs):
                 break
+            if store.try_get_json("done") is not None:
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > 15:
+                    stuck = [p.pid for p in procs if p.poll() is None]
+                    print(f"oobleck: the run is done but agent(s) {stuck} did not exit (hung or fenced "
+                          "nodes); stopping them", file=sys.stderr)
+                    break
             time.sleep(0.1)
     except KeyboardInterrupt:
         print("interrupted: stopping every node", file=sys.stderr)
@@ -191,8 +199,8 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
                 os.killpg(p.pid, signal.SIGTERM)
         for p in procs:
             try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # a stopped (SIGSTOP) node ignores SIGTERM
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         for log in logs:

@@ -136,13 +136,11 @@ def _usage() -> dict[str, int]:
 
 
 def transfers_between(ts, before: GenerationPlan, after: GenerationPlan):
-    """The transfers that take `before`'s holders to `after`'s layout (same planner code)."""
-    from oobleck_elastic.planning.reconfigure import _Planner, _Group, _transfers
+    """The transfers that take `before`'s holders to `after`'s layout (the planner's own)."""
+    from oobleck_elastic.planning import plan_transfers
 
     gone = set(before.instantiation.nodes) - set(after.instantiation.nodes)
-    planner = _Planner(ts, before.instantiation, gone)
-    groups = [_Group(list(p.nodes), "phase") for p in after.instantiation.pipelines]
-    return _transfers(planner, groups)
+    return plan_transfers(ts, before.instantiation, after.instantiation, gone)
 
 
 def _context():

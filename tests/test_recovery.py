@@ -9,6 +9,9 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
+
+import psutil
 
 import pytest
 
@@ -91,10 +94,54 @@ def test_two_simultaneous_kills_with_f2(tmp_path, failure_free):
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
-def test_second_kill_during_agreement(tmp_path, failure_free):
-    _, log = run_with_faults(tmp_path, 5, "node=1,step=2,phase=backward;node=2,step=2,phase=agreement")
+@pytest.mark.parametrize("fault, lost", [
+    ("node=1,step=2,phase=backward;node=2,step=2,phase=agreement", [1, 2]),  # during the roll call
+    ("node=1,step=2,phase=backward;node=0,step=2,phase=agreement", [0, 1]),  # the lowest node: the old proposer
+    ("node=1,step=2,phase=backward;node=0,step=2,phase=transfer", [0, 1]),   # while layers move
+])
+def test_second_kill_during_recovery(tmp_path, failure_free, fault, lost):
+    _, log = run_with_faults(tmp_path, 5, fault)
     recoveries = [r for r in log if r.get("event") == "recovery"]
-    assert sorted(n for r in recoveries for n in r["lost"]) == [1, 2]
+    assert sorted(n for r in recoveries for n in r["lost"]) == lost
     steps = [r for r in log if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == list(range(STEPS))
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_sigstopped_node_is_detected_by_its_lease(tmp_path, failure_free):
+    timeouts = ["--set", "elastic.collective_timeout_s=4", "--set", "elastic.lease_timeout_s=6",
+                "--set", "elastic.agreement_timeout_s=30"]
+    launcher = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
+                                 "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", "--rdzv-id=stoptest",
+                                 SCRIPT, *job_args(tmp_path, "job"), *timeouts], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = []
+    try:
+        metrics = tmp_path / "job/metrics.jsonl"
+        deadline = time.monotonic() + 200
+        while not (metrics.exists() and sum('"step"' in line and '"event"' not in line
+                                            for line in metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the job never got going"
+            time.sleep(0.2)
+        for proc in psutil.process_iter():
+            try:
+                env = proc.environ()
+            except (psutil.AccessDenied, psutil.NoSuchProcess):
+                continue
+            if env.get("OOBLECK_RUN_ID") == "stoptest" and env.get("OOBLECK_NODE_ID") == "1":
+                proc.suspend()
+                stopped.append(proc)
+        assert stopped, "node 1's agent and worker were found"
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        for proc in stopped:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out
+    log = records(tmp_path / "job/metrics.jsonl")
+    assert [r["lost"] for r in log if r.get("event") == "recovery"] == [[1]]
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)

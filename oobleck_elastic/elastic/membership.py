@@ -90,13 +90,16 @@ def commit_step(store: MembershipStore, generation: int, step: int, world_size: 
         store.create_json(f"{key}/decision", "commit")
     members = list(members)
     deadline = time.monotonic() + timeout
+    next_check = time.monotonic() + 0.05
     while True:
         decision = store.try_get_json(f"{key}/decision")
         if decision is not None:
             break
-        if store.try_get_json(f"rollcall/{generation}/started") or watcher.dead(members):
-            decision = decide_abort(store, generation, step)
-            break
+        if time.monotonic() > next_check:  # liveness costs store round trips: not every poll
+            next_check = time.monotonic() + 0.05
+            if store.try_get_json(f"rollcall/{generation}/started") or watcher.dead(members):
+                decision = decide_abort(store, generation, step)
+                break
         if time.monotonic() > deadline:
             decision = decide_abort(store, generation, step)
             break

@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
+from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import LeaseWatcher, StepAborted, commit_step, decide_abort, propose_generation, roll_call
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, host_store
@@ -24,12 +26,14 @@ from oobleck_elastic.monitoring.layout import render_layout
 from oobleck_elastic.monitoring.metrics import JsonlSink, MetricsSink, MultiSink
 from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
 from oobleck_elastic.planning import (
+    Instantiation,
     ModelProfile,
     TemplateSet,
     WorkerRef,
     instantiate,
     layer_holders,
     plan_templates,
+    plan_transfers,
     reconfigure,
 )
 from oobleck_elastic.planning.job import make_cluster
@@ -121,7 +125,13 @@ def _step_record(stats: StepStats, plan: GenerationPlan, cfg: JobConfig) -> dict
 
 
 class _Run:
-    """One worker's view of the run across generations: plans, trains, recovers."""
+    """One worker's view of the run across generations: plans, trains, recovers.
+
+    Every generation record in the store carries its instantiation and its `base`: the last
+    generation every member finished building, from which it was reconfigured. So all workers
+    derive the same transfers, and a generation whose build failed part-way (a node died while
+    layers were moving) is skipped: the next one is planned from its base again.
+    """
 
     def __init__(self, model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv,
                  store: EmbeddedStore, fault: FaultInjector | None) -> None:
@@ -134,6 +144,7 @@ class _Run:
         self.sink: MetricsSink | None = None
         self.templates: TemplateSet | None = None
         self.plan: GenerationPlan | None = None
+        self.records: dict[int, dict] = {}
 
     def start(self) -> None:
         record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
@@ -144,18 +155,47 @@ class _Run:
                                         fault_tolerance=self.cfg.fault_tolerance,
                                         total_microbatches=self.cfg.train.num_microbatches)
         inst = instantiate(self.templates, nodes, self.cfg.train.global_batch_size, self.cfg.train.microbatch_size)
-        self._enter(GenerationPlan(generation=record["generation"], start_step=record["start_step"],
-                                   workers_per_node=self.env.local_world_size, instantiation=inst,
-                                   templates=self.templates), ())
+        self.records[record["generation"]] = {**record, "base": None, "instantiation": to_jsonable(inst)}
+        failure = self._enter(record["generation"], record["start_step"], inst, ())
+        if failure:
+            raise RuntimeError(f"the first generation could not be built: {failure}")
 
-    def _enter(self, plan: GenerationPlan, transfers) -> int:
+    def _enter(self, generation: int, start_step: int, inst: Instantiation, transfers) -> str | None:
+        """Builds a generation and waits until every member has; returns a failure cause."""
+        plan = GenerationPlan(generation=generation, start_step=start_step,
+                              workers_per_node=self.env.local_world_size, instantiation=inst,
+                              templates=self.templates)
         self.plan = plan
-        moved = self.trainer.build(plan, transfers)
+        cause = None
+        try:
+            self.moved = self.trainer.build(plan, transfers, settle=False)
+            self._built_barrier(plan)
+        except (RuntimeError, StepAborted) as exc:
+            cause = f"{type(exc).__name__} while building generation {generation}: {str(exc).splitlines()[0][:160]}"
+        if cause:
+            return cause
+        self.trainer.settle()
         if plan.rank_of(self.me) == 0 and self.sink is None:
             self.sink = _sinks(self.cfg)
         if self.sink:
             self.sink.write(_generation_record(plan, self.templates, self.model.num_layers, self.cfg))
-        return moved
+        return None
+
+    def _built_barrier(self, plan: GenerationPlan) -> None:
+        key = f"gen{plan.generation}/built"
+        self.store.add(key, 1)
+        deadline = time.monotonic() + self.cfg.elastic.agreement_timeout_s
+        while self.store.add(key, 0) < len(plan.members):
+            if self.watcher.dead(plan.instantiation.nodes) or time.monotonic() > deadline:
+                raise StepAborted(f"a member of generation {plan.generation} died while it was built")
+            time.sleep(0.002)
+
+    def _complete(self, generation: int) -> bool:
+        inst = self._instantiation(generation)
+        return self.store.add(f"gen{generation}/built", 0) >= len(inst.nodes) * self.env.local_world_size
+
+    def _instantiation(self, generation: int) -> Instantiation:
+        return from_jsonable(Instantiation, self.records[generation]["instantiation"])
 
     def step(self) -> None:
         plan = self.plan
@@ -173,12 +213,30 @@ class _Run:
         self.trainer.apply(computed)
 
     def recover(self, cause: str) -> None:
-        """Agrees on the next generation and rebuilds into it (Note: [roll call])."""
+        """Agrees on the next generation and rebuilds into it (Note: [roll call]); repeats while
+        nodes keep failing during the recovery itself."""
         started = time.perf_counter()
+        first_generation = self.plan.generation
+        phases: dict[str, float] = {}
+        while cause is not None:
+            cause = self._recover_once(cause, phases)
+        if self.sink:
+            rec = {"event": "recovery", "generation": self.plan.generation, "from_generation": first_generation,
+                   "cause": self.records[self.plan.generation]["cause"],
+                   "lost": sorted(set(self._instantiation(first_generation).nodes) - set(self.plan.instantiation.nodes)),
+                   "joined": [], "step": self.plan.start_step,
+                   "actions": self.records[self.plan.generation].get("actions", []),
+                   "bytes_moved": sum(t.bytes for t in self.last_transfers), "transfers": len(self.last_transfers),
+                   "phases_s": phases, "total_s": time.perf_counter() - started}
+            self.sink.write(rec)
+            self.store.set_json(f"recovery/{self.plan.generation}", rec)
+
+    def _recover_once(self, cause: str, phases: dict[str, float]) -> str | None:
+        t0 = time.perf_counter()
         old = self.plan
         step = self.trainer.completed_steps
         self.trainer.close()  # frees gloo sockets: peers blocked on us fail fast
-        t_teardown = time.perf_counter()
+        t1 = time.perf_counter()
         if decide_abort(self.store, old.generation, step) == "commit":
             raise AssertionError("a committed step cannot fail before apply(): apply is local")
         self.trainer.discard()
@@ -187,30 +245,35 @@ class _Run:
         alive, dead = roll_call(self.store, old.generation, (self.me.node, self.me.local_rank),
                                 list(old.instantiation.nodes), self.env.local_world_size, self.watcher,
                                 self.cfg.elastic.agreement_timeout_s)
-        t_agree = time.perf_counter()
         if not dead:
-            raise RuntimeError(f"{cause} but every node answered the roll call: not a node failure")
-        record = propose_generation(self.store, old.generation + 1,
-                                    {"generation": old.generation + 1, "nodes": alive, "start_step": step,
-                                     "lost": dead, "cause": cause}, self.cfg.elastic.agreement_timeout_s)
+            raise RuntimeError(f"{cause}, but every node answered the roll call: not a node failure")
+        base = old.generation if self._complete(old.generation) else self.records[old.generation]["base"]
+        base_inst = self._instantiation(base)
+        if base != old.generation:  # the failed build may have left partial copies: drop them
+            held = layer_holders(base_inst, self.templates)
+            self.trainer.layers.keep_only(
+                range(*held[self.me]) if self.me in held else ())
+        recon = reconfigure(self.templates, base_inst, lost=sorted(set(base_inst.nodes) - set(alive)))
+        proposal = {"generation": old.generation + 1, "nodes": list(recon.instantiation.nodes), "start_step": step,
+                    "lost": dead, "base": base, "cause": cause, "actions": list(recon.actions),
+                    "instantiation": to_jsonable(recon.instantiation)}
+        # Every survivor proposes the same record; compare-and-set keeps the first, so losing
+        # any one of them (the "coordinator") cannot stall the agreement.
+        record = propose_generation(self.store, old.generation + 1, proposal, self.cfg.elastic.agreement_timeout_s)
+        t2 = time.perf_counter()
         if self.me.node not in record["nodes"] or record["start_step"] != step:
             logger.error("[node %d] fenced out of generation %d", self.me.node, record["generation"])
             os._exit(3)
-        recon = reconfigure(self.templates, old.instantiation, lost=record["lost"])
-        plan = GenerationPlan(generation=record["generation"], start_step=step,
-                              workers_per_node=self.env.local_world_size, instantiation=recon.instantiation,
-                              templates=self.templates)
-        moved = self._enter(plan, recon.transfers)
-        t_done = time.perf_counter()
-        if self.sink:
-            rec = {"event": "recovery", "generation": plan.generation, "cause": cause, "lost": record["lost"],
-                   "joined": [], "step": step, "actions": list(recon.actions), "warnings": list(recon.warnings),
-                   "bytes_moved": recon.bytes_moved, "transfers": len(recon.transfers),
-                   "phases_s": {"teardown": t_teardown - started, "agree": t_agree - t_teardown,
-                                "rebuild_and_transfer": t_done - t_agree},
-                   "total_s": t_done - started, "moved_here_bytes": moved}
-            self.sink.write(rec)
-            self.store.set_json(f"recovery/{plan.generation}", rec)
+        self.records[record["generation"]] = record
+        inst = self._instantiation(record["generation"])
+        base_inst = self._instantiation(record["base"])
+        transfers = plan_transfers(self.templates, base_inst, inst, set(base_inst.nodes) - set(inst.nodes))
+        self.last_transfers = transfers
+        failure = self._enter(record["generation"], step, inst, transfers)
+        t3 = time.perf_counter()
+        for name, value in (("teardown", t1 - t0), ("agree", t2 - t1), ("rebuild_and_transfer", t3 - t2)):
+            phases[name] = phases.get(name, 0.0) + value
+        return failure
 
     def run(self) -> None:
         self.start()
@@ -260,6 +323,11 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
     run = _Run(model, dataset, cfg, env, store, fault)
     try:
         run.run()
+    except (dist.DistNetworkError, dist.DistStoreError) as exc:
+        raise OobleckError(
+            f"the membership store at {store.endpoint} is unreachable ({str(exc).splitlines()[0][:120]}); "
+            "the embedded store does not outlive the process hosting it. Host it on a machine that stays "
+            "up (the launcher does for local jobs) or use the etcd store") from None
     finally:
         run.close()
         del local_server

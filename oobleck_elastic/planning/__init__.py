@@ -7,7 +7,14 @@ runs work anywhere.
 from oobleck_elastic.planning.cost import Cluster, iteration_ms
 from oobleck_elastic.planning.instantiate import Instantiation, PipelinePlan, build_instantiation, instantiate, split_batch
 from oobleck_elastic.planning.profile import LayerProfile, ModelProfile, synthetic_gpt
-from oobleck_elastic.planning.reconfigure import ReconfigurationPlan, Transfer, WorkerRef, layer_holders, reconfigure
+from oobleck_elastic.planning.reconfigure import (
+    ReconfigurationPlan,
+    Transfer,
+    WorkerRef,
+    layer_holders,
+    plan_transfers,
+    reconfigure,
+)
 from oobleck_elastic.planning.simulate import simulate_1f1b
 from oobleck_elastic.planning.templates import (
     PipelineTemplate,
@@ -23,6 +30,6 @@ __all__ = [
     "Cluster", "Instantiation", "LayerProfile", "ModelProfile", "PipelinePlan", "PipelineTemplate",
     "ReconfigurationPlan", "StagePlan", "TemplateSet", "Transfer", "WorkerRef", "build_instantiation",
     "dumps", "from_jsonable", "instantiate", "iteration_ms", "layer_holders", "loads", "plan_template",
-    "plan_templates", "reconfigure", "simulate_1f1b", "split_batch", "synthetic_gpt",
+    "plan_templates", "plan_transfers", "reconfigure", "simulate_1f1b", "split_batch", "synthetic_gpt",
     "template_from_bounds", "to_jsonable",
 ]

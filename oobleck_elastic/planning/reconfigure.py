@@ -29,7 +29,7 @@ from oobleck_elastic.errors import LayersLostError, PlanningError
 from oobleck_elastic.planning.instantiate import Instantiation, build_instantiation
 from oobleck_elastic.planning.templates import PipelineTemplate, TemplateSet
 
-__all__ = ["WorkerRef", "Transfer", "ReconfigurationPlan", "reconfigure", "layer_holders"]
+__all__ = ["WorkerRef", "Transfer", "ReconfigurationPlan", "reconfigure", "layer_holders", "plan_transfers"]
 
 
 @dataclass(frozen=True, order=True)
@@ -262,6 +262,14 @@ def _transfers(planner: _Planner, groups: Iterable[_Group]) -> list[Transfer]:
         sent[src] = sent.get(src, 0) + nbytes
         out.append(Transfer(layer=layer, src=src, dst=dst, bytes=nbytes))
     return sorted(out, key=lambda t: (t.dst, t.layer))
+
+
+def plan_transfers(templates: TemplateSet, before: Instantiation, after: Instantiation,
+                   lost: Iterable[int] = ()) -> list[Transfer]:
+    """The transfers that take the surviving holders of `before` to the layout of `after`
+    (what `reconfigure` returns for the instantiation it chose; Note: [transfers])."""
+    planner = _Planner(templates, before, set(lost))
+    return _transfers(planner, [_Group(list(p.nodes), "") for p in after.pipelines])
 
 
 def reconfigure(templates: TemplateSet, previous: Instantiation, *, lost: Iterable[int] = (),

@@ -83,7 +83,7 @@ class Trainer:
         batch = cfg.train.global_batch_size
         self._loss_fn = lambda out, target: model.loss(out, target) / batch
 
-    def build(self, plan: GenerationPlan, transfers: Sequence[Transfer] = ()) -> int:
+    def build(self, plan: GenerationPlan, transfers: Sequence[Transfer] = (), *, settle: bool = True) -> int:
         """Closes the current generation, builds `plan`'s, moves layer state; returns bytes moved."""
         if self.generation is not None:
             self.generation.close()
@@ -99,17 +99,22 @@ class Trainer:
             self.fault("transfer")
         moved = run_transfers(transfers, plan, self.me, self.layers, stepped=self.completed_steps > 0,
                               timeout=self.timeout)
-        needed = list(gen.held_layers())
-        for i in needed:
+        for i in gen.held_layers():
             if i not in self.layers:
                 if self.completed_steps:
-                    raise RuntimeError(f"{self.me} needs layer {i} but holds no copy and none was "
-                                       "transferred: the transfer plan is incomplete")
+                    raise AssertionError(f"{self.me} needs layer {i} but holds no copy and none was "
+                                         "transferred: the transfer plan is incomplete")
                 self.layers.materialize(i)
-        self.layers.keep_only(needed)
         if gen.role is not None:
             gen.build_schedule()
+        if settle:
+            self.settle()
         return moved
+
+    def settle(self) -> None:
+        """Forgets the layers the current generation does not run. Until then a worker keeps the
+        previous generation's layers, so a build that fails part-way can fall back to them."""
+        self.layers.keep_only(self.generation.held_layers())
 
     def step(self) -> StepStats:
         """compute() then apply(): one whole step, for callers without a commit protocol."""
