@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--oobleck-local-nodes", type=int, default=0, metavar="N",
                         help="start an N-node job on this machine (one agent process group per node)")
     parser.add_argument("--oobleck-log-dir", default="runs/logs", help="per-node logs of a local job")
+    parser.add_argument("--oobleck-add-node-at-step", type=int, action="append", default=[], metavar="K",
+                        help="local jobs: start one more node once step K is done (repeatable)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="show node logs and more")
     parser.add_argument("--oobleck-node", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -105,12 +107,12 @@ def _progress_line(rec: dict, first: tuple[float, int]) -> str:
 
 
 def _recovery_line(rec: dict) -> str:
-    what = (f"lost node(s) {rec['lost']}" if rec["lost"] else "") + (f" joined {rec['joined']}" if rec["joined"] else "")
-    return (f"recovery -> generation {rec['generation']}: {what.strip()} at step {rec['step'] + 1}, "
-            f"{rec['total_s']:.2f} s (teardown {rec['phases_s']['teardown']:.2f}, agree "
-            f"{rec['phases_s']['agree']:.2f}, rebuild+transfer {rec['phases_s']['rebuild_and_transfer']:.2f}), "
-            f"{rec['transfers']} layer copies ({rec['bytes_moved'] / 2**20:.1f} MiB); "
-            + "; ".join(rec["actions"]))
+    what = " ".join(filter(None, [f"lost node(s) {rec['lost']}" if rec["lost"] else "",
+                                  f"joined node(s) {rec['joined']}" if rec["joined"] else ""]))
+    phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in rec["phases_s"].items())
+    return (f"reconfigured -> generation {rec['generation']}: {what} at step {rec['step'] + 1}, "
+            f"{rec['total_s']:.2f} s ({phases}), {rec['transfers']} layer copies "
+            f"({rec['bytes_moved'] / 2**20:.1f} MiB); " + "; ".join(rec["actions"]))
 
 
 def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> None:
@@ -154,13 +156,19 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
             f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
             args.training_script, *args.training_script_args]
     procs, logs = [], []
-    print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
-          f"127.0.0.1:{store.port}; node logs in {args.oobleck_log_dir}/", flush=True)
-    for k in range(nodes):
+
+    def start_node() -> None:
+        k = len(procs)
         log = None if args.verbose else open(os.path.join(args.oobleck_log_dir, f"node{k}.log"), "w")  # noqa: SIM115
         logs.append(log)
         procs.append(subprocess.Popen(base, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
                                       start_new_session=True))
+
+    pending_adds = sorted(args.oobleck_add_node_at_step)
+    print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
+          f"127.0.0.1:{store.port}; node logs in {args.oobleck_log_dir}/", flush=True)
+    for _ in range(nodes):
+        start_node()
     started = time.monotonic()
     first: tuple[float, int] | None = None
     last_step = -1
@@ -177,6 +185,11 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
                 last_step = rec["step"]
                 if (rec["step"] + 1) % interval == 0:
                     print(_progress_line(rec, first), flush=True)
+                while pending_adds and rec["step"] + 1 >= pending_adds[0]:
+                    pending_adds.pop(0)
+                    start_node()
+                    print(f"oobleck: starting one more node (agent {procs[-1].pid}); it joins when ready",
+                          flush=True)
             recovery = store.try_get_json(f"recovery/{generation + 1}")
             if recovery:
                 generation += 1

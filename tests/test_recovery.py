@@ -71,7 +71,7 @@ def test_kill_a_node_at_each_phase(tmp_path, failure_free, phase):
     assert [r["step"] for r in steps] == list(range(STEPS)), "each step logged exactly once"
     assert all(r["samples"] == 64 for r in steps), "every sample of every step counted once"
     assert steps[-1]["nodes"] == 4 and steps[-1]["generation"] == 1
-    assert "recovery -> generation 1: lost node(s) [1]" in stdout
+    assert "reconfigured -> generation 1: lost node(s) [1]" in stdout
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
@@ -145,3 +145,25 @@ def test_sigstopped_node_is_detected_by_its_lease(tmp_path, failure_free):
     log = records(tmp_path / "job/metrics.jsonl")
     assert [r["lost"] for r in log if r.get("event") == "recovery"] == [[1]]
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_node_joins_mid_run_after_a_failure(tmp_path):
+    steps = ["--set", "train.steps=40"]
+    ref_dir = tmp_path / "ref"
+    alone = [*job_args(ref_dir, "ref"), "--set", "planner.memory_per_worker=1GB", *steps]
+    ref = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=2,phase=backward"}
+    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=4",
+                           "--nproc-per-node=1", "--oobleck-add-node-at-step=3",
+                           f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT, *job_args(tmp_path, "job"), *steps],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = records(tmp_path / "job/metrics.jsonl")
+    changes = [(r["lost"], r["joined"]) for r in log if r.get("event") == "recovery"]
+    assert changes == [([1], []), ([], [4])]
+    step_records = [r for r in log if "step" in r and "event" not in r]
+    assert [r["step"] for r in step_records] == list(range(40))
+    assert step_records[-1]["num_pipelines"] == 2 and step_records[-1]["nodes"] == 4
+    assert min(r["num_pipelines"] for r in step_records) == 1  # one pipeline while node 0 was spare
+    assert_matches([r for r in log if r.get("event") == "final"][0], records(ref_dir / "ref/metrics.jsonl")[-1])

@@ -3,7 +3,9 @@
 Note: [step transaction]
     Step k of generation g is committed when every member worker has finished its collectives
     for it: each adds 1 to `gen<g>/step<k>/ready`; the one that brings it to the world size
-    writes `gen<g>/step<k>/decision` = "commit" with compare-and-set. A worker that fails, or
+    writes `gen<g>/step<k>/decision` = "commit" with compare-and-set (or "commit+join" with the
+    node ids of joiners that are ready: everyone then grows the job at the same step boundary).
+    A worker that fails, or
     that sees a member dead while waiting, writes "abort" with the same compare-and-set, so a
     late commit cannot race an abort: exactly one decision exists. Committed: every survivor
     applies its optimizer step (local work, nothing can fail remotely). Aborted: gradients are
@@ -27,7 +29,7 @@ from collections.abc import Iterable
 from oobleck_elastic.elastic.store import MembershipStore
 
 __all__ = ["Heartbeat", "LeaseWatcher", "StepAborted", "commit_step", "decide_abort", "roll_call",
-           "propose_generation", "mark_dead"]
+           "propose_generation", "mark_dead", "ready_joiners"]
 
 
 class StepAborted(Exception):
@@ -81,14 +83,23 @@ class LeaseWatcher:
         return out
 
 
+def ready_joiners(store: MembershipStore, members: Iterable[int]) -> list[int]:
+    """Registered nodes, not members and not dead, whose workers are ready to be admitted."""
+    members = set(members)
+    return [n for n in range(store.add("nodes/next", 0))
+            if n not in members and store.try_get_json(f"nodes/{n}/ready")
+            and store.try_get_json(f"nodes/{n}/dead") is None]
+
+
 def commit_step(store: MembershipStore, generation: int, step: int, world_size: int, members: Iterable[int],
-                watcher: LeaseWatcher, timeout: float) -> None:
+                watcher: LeaseWatcher, timeout: float) -> list[int]:
     """Reports this worker ready for `step` and waits for the decision (Note: [step transaction]).
-    Raises StepAborted if the step was aborted."""
+    Returns the nodes to admit after this step; raises StepAborted if the step was aborted."""
     key = f"gen{generation}/step{step}"
-    if store.add(f"{key}/ready", 1) == world_size:
-        store.create_json(f"{key}/decision", "commit")
     members = list(members)
+    if store.add(f"{key}/ready", 1) == world_size:
+        joiners = ready_joiners(store, members)
+        store.create_json(f"{key}/decision", {"outcome": "commit", "join": joiners})
     deadline = time.monotonic() + timeout
     next_check = time.monotonic() + 0.05
     while True:
@@ -104,15 +115,16 @@ def commit_step(store: MembershipStore, generation: int, step: int, world_size: 
             decision = decide_abort(store, generation, step)
             break
         time.sleep(0.002)
-    if decision != "commit":
+    if decision["outcome"] != "commit":
         raise StepAborted(f"step {step} of generation {generation} was aborted")
+    return decision["join"]
 
 
 def decide_abort(store: MembershipStore, generation: int, step: int) -> str:
-    """Aborts the step unless it is already committed; returns the decision that stands."""
+    """Aborts the step unless it is already committed; returns the outcome that stands."""
     key = f"gen{generation}/step{step}/decision"
-    store.create_json(key, "abort")
-    return store.get_json(key, 10.0)
+    store.create_json(key, {"outcome": "abort", "join": []})
+    return store.get_json(key, 10.0)["outcome"]
 
 
 def roll_call(store: MembershipStore, generation: int, me: tuple[int, int], members: list[int],

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 
+import torch.distributed
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -56,11 +57,15 @@ class OobleckRendezvousHandler(RendezvousHandler):
         record = {"generation": 0, "nodes": list(range(self.min_nodes)), "start_step": 0}
         self.store.create_json("generation", record)
         nodes = self.store.get_json("generation", self.timeout)["nodes"]
+        info = RendezvousStoreInfo(self.store.host, self.store.port)
         if self.node not in nodes:
-            raise RendezvousTimeoutError(f"node {self.node} arrived after the job started with {nodes}; "
-                                         "joining a running job needs in-place recovery (not built yet)")
-        return RendezvousInfo(self.store.torch_store(), nodes.index(self.node), len(nodes),
-                              RendezvousStoreInfo(self.store.host, self.store.port))
+            # A node joining a running job: its workers start at once, get ready (profile,
+            # templates) and are admitted at a step boundary (membership.ready_joiners). torch's
+            # own bookkeeping for this agent goes to a private prefix of one.
+            logger.info("[node %d] joining the running job", self.node)
+            return RendezvousInfo(torch.distributed.PrefixStore(f"join{self.node}", self.store.torch_store()),
+                                  0, 1, info)
+        return RendezvousInfo(self.store.torch_store(), nodes.index(self.node), len(nodes), info)
 
     def is_closed(self) -> bool:
         return self.store.try_get_json("closed") is not None

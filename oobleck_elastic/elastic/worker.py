@@ -145,20 +145,48 @@ class _Run:
         self.templates: TemplateSet | None = None
         self.plan: GenerationPlan | None = None
         self.records: dict[int, dict] = {}
+        self.last_transfers: list = []
 
     def start(self) -> None:
         record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
-        nodes = record["nodes"]
+        first = self.store.try_get_json("generation/0") or record
+        nodes = first["nodes"]
         profile = _profile(self.store, self.env, min(nodes), self.model, self.cfg)
         cluster = make_cluster(self.cfg.planner, profile, self.env.local_world_size)
         self.templates = plan_templates(profile, cluster, max_nodes=len(nodes),
                                         fault_tolerance=self.cfg.fault_tolerance,
                                         total_microbatches=self.cfg.train.num_microbatches)
-        inst = instantiate(self.templates, nodes, self.cfg.train.global_batch_size, self.cfg.train.microbatch_size)
-        self.records[record["generation"]] = {**record, "base": None, "instantiation": to_jsonable(inst)}
-        failure = self._enter(record["generation"], record["start_step"], inst, ())
+        if record["generation"] == 0 and "instantiation" not in record:
+            inst = instantiate(self.templates, nodes, self.cfg.train.global_batch_size,
+                               self.cfg.train.microbatch_size)
+            # every worker computes the same; the record makes it readable by later joiners
+            self.store.create_json("generation/0", {**record, "base": None, "cause": None,
+                                                    "instantiation": to_jsonable(inst)})
+            self.records[0] = self.store.get_json("generation/0", 10.0)
+            failure = self._enter(0, 0, inst, ())
+        else:
+            failure = self._join()
         if failure:
-            raise RuntimeError(f"the first generation could not be built: {failure}")
+            raise RuntimeError(f"could not enter the run: {failure}")
+
+    def _join(self) -> str | None:
+        """A node started after the run began: gets ready, waits to be admitted, receives its layers."""
+        self.store.set_json(f"nodes/{self.me.node}/ready", True)
+        logger.info("[node %d] ready to join; waiting for admission", self.me.node)
+        deadline = time.monotonic() + self.cfg.elastic.join_timeout_s
+        while True:
+            record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
+            if self.me.node in record["nodes"]:
+                break
+            if time.monotonic() > deadline:
+                raise OobleckError(f"node {self.me.node} was not admitted within {self.cfg.elastic.join_timeout_s:.0f} s")
+            time.sleep(0.05)
+        self.records[record["generation"]] = record
+        self.records[record["base"]] = self.store.get_json(f"generation/{record['base']}", 10.0)
+        inst = self._instantiation(record["generation"])
+        base_inst = self._instantiation(record["base"])
+        transfers = plan_transfers(self.templates, base_inst, inst, set(base_inst.nodes) - set(inst.nodes))
+        return self._enter(record["generation"], record["start_step"], inst, transfers)
 
     def _enter(self, generation: int, start_step: int, inst: Instantiation, transfers) -> str | None:
         """Builds a generation and waits until every member has; returns a failure cause."""
@@ -204,32 +232,62 @@ class _Run:
         computed = self.trainer.compute()
         if self.fault:
             self.fault("commit")
-        commit_step(self.store, plan.generation, computed.stats.step, len(plan.members), plan.instantiation.nodes,
-                    self.watcher, self.cfg.elastic.agreement_timeout_s)
+        joiners = commit_step(self.store, plan.generation, computed.stats.step, len(plan.members),
+                              plan.instantiation.nodes, self.watcher, self.cfg.elastic.agreement_timeout_s)
         if self.sink:
             rec = _step_record(computed.stats, plan, self.cfg)
             self.sink.write(rec)
             self.store.set_json("progress", rec)
         self.trainer.apply(computed)
+        if joiners:
+            self.grow(joiners)
 
-    def recover(self, cause: str) -> None:
+    def grow(self, joiners: list[int]) -> None:
+        """Admits ready joiners at this step boundary: every member does the same, in step."""
+        started = time.perf_counter()
+        old = self.plan
+        step = self.trainer.completed_steps
+        self.trainer.close()
+        recon = reconfigure(self.templates, old.instantiation, joined=joiners)
+        proposal = {"generation": old.generation + 1, "nodes": list(recon.instantiation.nodes), "start_step": step,
+                    "lost": [], "joined": joiners, "base": old.generation, "cause": f"node(s) {joiners} joined",
+                    "actions": list(recon.actions), "instantiation": to_jsonable(recon.instantiation)}
+        record = propose_generation(self.store, old.generation + 1, proposal, self.cfg.elastic.agreement_timeout_s)
+        self.records[record["generation"]] = record
+        t1 = time.perf_counter()
+        self.last_transfers = plan_transfers(self.templates, old.instantiation, recon.instantiation)
+        failure = self._enter(record["generation"], step, recon.instantiation, self.last_transfers)
+        phases = {"agree": t1 - started, "rebuild_and_transfer": time.perf_counter() - t1}
+        if failure:  # a joiner or member died while layers moved: recover from the base
+            self.recover(failure, phases, started, first_generation=old.generation)
+        else:
+            self._report(old.generation, phases, started)
+
+    def recover(self, cause: str, phases: dict[str, float] | None = None, started: float | None = None,
+                first_generation: int | None = None) -> None:
         """Agrees on the next generation and rebuilds into it (Note: [roll call]); repeats while
         nodes keep failing during the recovery itself."""
-        started = time.perf_counter()
-        first_generation = self.plan.generation
-        phases: dict[str, float] = {}
+        started = started or time.perf_counter()
+        first_generation = self.plan.generation if first_generation is None else first_generation
+        phases = phases if phases is not None else {}
         while cause is not None:
             cause = self._recover_once(cause, phases)
-        if self.sink:
-            rec = {"event": "recovery", "generation": self.plan.generation, "from_generation": first_generation,
-                   "cause": self.records[self.plan.generation]["cause"],
-                   "lost": sorted(set(self._instantiation(first_generation).nodes) - set(self.plan.instantiation.nodes)),
-                   "joined": [], "step": self.plan.start_step,
-                   "actions": self.records[self.plan.generation].get("actions", []),
-                   "bytes_moved": sum(t.bytes for t in self.last_transfers), "transfers": len(self.last_transfers),
-                   "phases_s": phases, "total_s": time.perf_counter() - started}
-            self.sink.write(rec)
-            self.store.set_json(f"recovery/{self.plan.generation}", rec)
+        self._report(first_generation, phases, started)
+
+    def _report(self, first_generation: int, phases: dict[str, float], started: float) -> None:
+        """One recovery record: the change from `first_generation` to the current one."""
+        if not self.sink:
+            return
+        before = set(self._instantiation(first_generation).nodes)
+        after = set(self.plan.instantiation.nodes)
+        record = self.records[self.plan.generation]
+        rec = {"event": "recovery", "generation": self.plan.generation, "from_generation": first_generation,
+               "cause": record["cause"], "lost": sorted(before - after), "joined": sorted(after - before),
+               "step": self.plan.start_step, "actions": record.get("actions", []),
+               "bytes_moved": sum(t.bytes for t in self.last_transfers), "transfers": len(self.last_transfers),
+               "phases_s": phases, "total_s": time.perf_counter() - started}
+        self.sink.write(rec)
+        self.store.set_json(f"recovery/{self.plan.generation}", rec)
 
     def _recover_once(self, cause: str, phases: dict[str, float]) -> str | None:
         t0 = time.perf_counter()
@@ -255,7 +313,7 @@ class _Run:
                 range(*held[self.me]) if self.me in held else ())
         recon = reconfigure(self.templates, base_inst, lost=sorted(set(base_inst.nodes) - set(alive)))
         proposal = {"generation": old.generation + 1, "nodes": list(recon.instantiation.nodes), "start_step": step,
-                    "lost": dead, "base": base, "cause": cause, "actions": list(recon.actions),
+                    "lost": dead, "joined": [], "base": base, "cause": cause, "actions": list(recon.actions),
                     "instantiation": to_jsonable(recon.instantiation)}
         # Every survivor proposes the same record; compare-and-set keeps the first, so losing
         # any one of them (the "coordinator") cannot stall the agreement.
