@@ -106,14 +106,13 @@ def commit_step(store: MembershipStore, generation: int, step: int, world_size: 
         decision = store.try_get_json(f"{key}/decision")
         if decision is not None:
             break
-        if time.monotonic() > next_check:  # liveness costs store round trips: not every poll
-            next_check = time.monotonic() + 0.05
-            if store.try_get_json(f"rollcall/{generation}/started") or watcher.dead(members):
-                decision = decide_abort(store, generation, step)
-                break
-        if time.monotonic() > deadline:
-            decision = decide_abort(store, generation, step)
-            break
+        now = time.monotonic()
+        if now > deadline or (now > next_check and (  # liveness costs store round trips
+                store.try_get_json(f"rollcall/{generation}/started") or watcher.dead(members))):
+            decide_abort(store, generation, step)
+            continue  # read whichever decision won
+        if now > next_check:
+            next_check = now + 0.05
         time.sleep(0.002)
     if decision["outcome"] != "commit":
         raise StepAborted(f"step {step} of generation {generation} was aborted")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.errors import LayersLostError, OobleckError
 from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import LeaseWatcher, StepAborted, commit_step, decide_abort, propose_generation, roll_call
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, host_store
@@ -39,6 +39,7 @@ from oobleck_elastic.planning import (
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.report import instantiation_table
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
+from oobleck_elastic.runtime.checkpoint import latest_checkpoint, mark_complete, save_layers
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.profiler import load_or_profile
@@ -188,7 +189,8 @@ class _Run:
         transfers = plan_transfers(self.templates, base_inst, inst, set(base_inst.nodes) - set(inst.nodes))
         return self._enter(record["generation"], record["start_step"], inst, transfers)
 
-    def _enter(self, generation: int, start_step: int, inst: Instantiation, transfers) -> str | None:
+    def _enter(self, generation: int, start_step: int, inst: Instantiation, transfers,
+               restore_from: str | None = None) -> str | None:
         """Builds a generation and waits until every member has; returns a failure cause."""
         plan = GenerationPlan(generation=generation, start_step=start_step,
                               workers_per_node=self.env.local_world_size, instantiation=inst,
@@ -196,7 +198,7 @@ class _Run:
         self.plan = plan
         cause = None
         try:
-            self.moved = self.trainer.build(plan, transfers, settle=False)
+            self.moved = self.trainer.build(plan, transfers, settle=False, restore_from=restore_from)
             self._built_barrier(plan)
         except (RuntimeError, StepAborted) as exc:
             cause = f"{type(exc).__name__} while building generation {generation}: {str(exc).splitlines()[0][:160]}"
@@ -239,8 +241,22 @@ class _Run:
             self.sink.write(rec)
             self.store.set_json("progress", rec)
         self.trainer.apply(computed)
+        self._maybe_checkpoint()
         if joiners:
             self.grow(joiners)
+
+    def _maybe_checkpoint(self) -> None:
+        """Every checkpoint.interval steps each layer's owner writes it; whoever completes the
+        set marks the checkpoint complete (runtime/checkpoint.py)."""
+        interval, done = self.cfg.checkpoint.interval, self.trainer.completed_steps
+        if not interval or done % interval:
+            return
+        plan = self.plan
+        rank = plan.rank_of(self.me)
+        owned = [i for i, r in plan.layer_owner.items() if r == rank]
+        written = save_layers(self.cfg.checkpoint.dir, done, self.trainer.layers, owned)
+        if self.store.add(f"gen{plan.generation}/checkpoint{done}", written) == self.model.num_layers:
+            mark_complete(self.cfg.checkpoint.dir, done, self.model.num_layers)
 
     def grow(self, joiners: list[int]) -> None:
         """Admits ready joiners at this step boundary: every member does the same, in step."""
@@ -282,6 +298,7 @@ class _Run:
         after = set(self.plan.instantiation.nodes)
         record = self.records[self.plan.generation]
         rec = {"event": "recovery", "generation": self.plan.generation, "from_generation": first_generation,
+               "restored_from": record.get("restored_from"),
                "cause": record["cause"], "lost": sorted(before - after), "joined": sorted(after - before),
                "step": self.plan.start_step, "actions": record.get("actions", []),
                "bytes_moved": sum(t.bytes for t in self.last_transfers), "transfers": len(self.last_transfers),
@@ -311,7 +328,10 @@ class _Run:
             held = layer_holders(base_inst, self.templates)
             self.trainer.layers.keep_only(
                 range(*held[self.me]) if self.me in held else ())
-        recon = reconfigure(self.templates, base_inst, lost=sorted(set(base_inst.nodes) - set(alive)))
+        try:
+            recon = reconfigure(self.templates, base_inst, lost=sorted(set(base_inst.nodes) - set(alive)))
+        except LayersLostError as exc:
+            return self._restore_checkpoint(old, alive, dead, f"{cause}; {exc}", phases, t0)
         proposal = {"generation": old.generation + 1, "nodes": list(recon.instantiation.nodes), "start_step": step,
                     "lost": dead, "joined": [], "base": base, "cause": cause, "actions": list(recon.actions),
                     "instantiation": to_jsonable(recon.instantiation)}
@@ -331,6 +351,34 @@ class _Run:
         t3 = time.perf_counter()
         for name, value in (("teardown", t1 - t0), ("agree", t2 - t1), ("rebuild_and_transfer", t3 - t2)):
             phases[name] = phases.get(name, 0.0) + value
+        return failure
+
+    def _restore_checkpoint(self, old: GenerationPlan, alive: list[int], dead: list[int], cause: str,
+                            phases: dict[str, float], t0: float) -> str | None:
+        """More failures than replicas: every survivor restarts from the latest checkpoint."""
+        step = latest_checkpoint(self.cfg.checkpoint.dir, self.model.num_layers)
+        if step is None:
+            raise OobleckError(f"{cause}. There is no complete checkpoint in {self.cfg.checkpoint.dir!r} "
+                               "(checkpoint.interval) to fall back to: the run cannot continue")
+        logger.warning("[node %d] layers lost: restoring the checkpoint of step %d", self.me.node, step)
+        pipelines = self.cfg.fault_tolerance + 1 if len(alive) >= (self.cfg.fault_tolerance + 1) * self.templates.min_nodes else 1
+        inst = instantiate(self.templates, alive, self.cfg.train.global_batch_size, self.cfg.train.microbatch_size,
+                           min_pipelines=pipelines)
+        proposal = {"generation": old.generation + 1, "nodes": list(inst.nodes), "start_step": step, "lost": dead,
+                    "joined": [], "base": None, "restored_from": step, "cause": cause,
+                    "actions": [f"restored the checkpoint of step {step} on nodes {list(inst.nodes)}"],
+                    "instantiation": to_jsonable(inst)}
+        record = propose_generation(self.store, old.generation + 1, proposal, self.cfg.elastic.agreement_timeout_s)
+        if self.me.node not in record["nodes"]:
+            os._exit(3)
+        self.records[record["generation"]] = record
+        self.last_transfers = []
+        t2 = time.perf_counter()
+        failure = self._enter(record["generation"], record["start_step"],
+                              self._instantiation(record["generation"]), (),
+                              restore_from=self.cfg.checkpoint.dir)
+        phases["restore"] = phases.get("restore", 0.0) + time.perf_counter() - t2
+        phases["agree"] = phases.get("agree", 0.0) + t2 - t0
         return failure
 
     def run(self) -> None:

@@ -28,6 +28,18 @@ class TensorBoardSink(MetricsSink):
             for key, tag in _SCALARS.items():
                 if key in record:
                     self.writer.add_scalar(tag, record[key], record["step"])
+        elif record.get("event") == "recovery":
+            step = record["step"]
+            self.writer.add_scalar("recovery/total_s", record["total_s"], step)
+            self.writer.add_scalar("recovery/bytes_moved", record["bytes_moved"], step)
+            self.writer.add_scalar("recovery/nodes_lost", len(record["lost"]), step)
+            self.writer.add_scalar("recovery/nodes_joined", len(record["joined"]), step)
+            for phase, seconds in record["phases_s"].items():
+                self.writer.add_scalar(f"recovery/{phase}_s", seconds, step)
+            lines = [f"generation {record['generation']} at step {step}: lost {record['lost']}, joined "
+                     f"{record['joined']}, {record['total_s']:.2f} s, {record['bytes_moved']} bytes moved",
+                     f"cause: {record['cause']}", *record["actions"]]
+            self.writer.add_text("recoveries", "\n\n".join(lines), step)
         elif record.get("event") == "generation":
             step = record.get("start_step", 0)
             self.writer.add_text("plan", "    " + record["table"].replace("\n", "\n    "), step)

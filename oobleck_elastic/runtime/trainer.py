@@ -20,6 +20,7 @@ import torch.distributed as dist
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.planning import Transfer, WorkerRef
+from oobleck_elastic.runtime.checkpoint import restore_layers
 from oobleck_elastic.runtime.data import SampleOrder
 from oobleck_elastic.runtime.generation import SCHEDULES, Generation
 from oobleck_elastic.runtime.layers import LayerStore, lr_factor
@@ -83,11 +84,16 @@ class Trainer:
         batch = cfg.train.global_batch_size
         self._loss_fn = lambda out, target: model.loss(out, target) / batch
 
-    def build(self, plan: GenerationPlan, transfers: Sequence[Transfer] = (), *, settle: bool = True) -> int:
-        """Closes the current generation, builds `plan`'s, moves layer state; returns bytes moved."""
+    def build(self, plan: GenerationPlan, transfers: Sequence[Transfer] = (), *, settle: bool = True,
+              restore_from: str | None = None) -> int:
+        """Closes the current generation, builds `plan`'s, moves layer state; returns bytes moved.
+        With `restore_from` (a checkpoint directory), layers come from its checkpoint of step
+        plan.start_step instead of from this worker's memory."""
         if self.generation is not None:
             self.generation.close()
             self.generation = None
+        if restore_from is not None:
+            self.layers.keep_only(())
         if self.layers.layers and self.completed_steps != plan.start_step:
             raise RuntimeError(f"{self.me} has completed {self.completed_steps} steps but generation "
                                f"{plan.generation} starts at step {plan.start_step}")
@@ -99,6 +105,8 @@ class Trainer:
             self.fault("transfer")
         moved = run_transfers(transfers, plan, self.me, self.layers, stepped=self.completed_steps > 0,
                               timeout=self.timeout)
+        if restore_from is not None:
+            restore_layers(restore_from, plan.start_step, self.layers, gen.held_layers())
         for i in gen.held_layers():
             if i not in self.layers:
                 if self.completed_steps:
