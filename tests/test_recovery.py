@@ -202,3 +202,38 @@ def test_no_replica_and_no_checkpoint_is_a_clear_error(tmp_path):
     proc = run_checkpointed(tmp_path, interval=0)
     assert proc.returncode != 0
     assert "no complete checkpoint" in proc.stderr
+
+
+def test_workers_exit_when_their_agent_dies(tmp_path):
+    """SIGKILL only node 2's agent: its worker must not live on as an orphan, and the rest of
+    the job recovers."""
+    launcher = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=3",
+                                 "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", "--rdzv-id=orphan",
+                                 SCRIPT, *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = tmp_path / "job/metrics.jsonl"
+        deadline = time.monotonic() + 200
+        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the job never got going"
+            time.sleep(0.2)
+        node2 = []
+        for proc in psutil.process_iter():
+            try:
+                env = proc.environ()
+            except (psutil.AccessDenied, psutil.NoSuchProcess):
+                continue
+            if env.get("OOBLECK_RUN_ID") == "orphan" and env.get("OOBLECK_NODE_ID") == "2":
+                node2.append(proc)
+        worker = [p for p in node2 if "train.py" in " ".join(p.cmdline())]
+        agent = [p for p in node2 if "oobleck_elastic.launch" in " ".join(p.cmdline())]
+        assert len(worker) == 1 and len(agent) == 1
+        agent[0].kill()
+        gone, alive = psutil.wait_procs(worker, timeout=10)
+        assert not alive, "the worker outlived its agent"
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out
+    assert [r["lost"] for r in records(tmp_path / "job/metrics.jsonl") if r.get("event") == "recovery"] == [[2]]

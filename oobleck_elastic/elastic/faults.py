@@ -5,13 +5,16 @@
 
 Phases: forward, backward, grad_sync, commit, optimizer, transfer, agreement. A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
-itself, like a machine dying: no cleanup, no goodbye.
+itself, like a machine dying: no cleanup, no goodbye. With OOBLECK_FAULT_LOG set, the time of
+each kill is appended there first (JSON lines).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from oobleck_elastic.errors import ConfigError
@@ -53,6 +56,11 @@ class FaultInjector:
 
     def __call__(self, phase: str) -> None:
         if any(f.step == self.step and f.phase == phase for f in self.faults):
+            log = os.environ.get("OOBLECK_FAULT_LOG")
+            if log:  # when the kill happened, for benchmarks/recovery.py
+                with open(log, "a") as f:
+                    f.write(json.dumps({"time": time.time(), "node": self.node, "step": self.step,
+                                        "phase": phase}) + "\n")
             self.kill_node()
 
     @staticmethod

@@ -118,7 +118,7 @@ def _generation_record(plan: GenerationPlan, ts: TemplateSet, num_layers: int, c
 
 def _step_record(stats: StepStats, plan: GenerationPlan, cfg: JobConfig) -> dict:
     inst = plan.instantiation
-    return {"step": stats.step, "loss": stats.loss, "samples": stats.samples,
+    return {"step": stats.step, "time": time.time(), "loss": stats.loss, "samples": stats.samples,
             "samples_per_s": stats.samples / stats.seconds if stats.seconds else 0.0,
             "step_time_s": stats.seconds, "grad_norm": stats.grad_norm, "generation": plan.generation,
             "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
@@ -147,6 +147,7 @@ class _Run:
         self.plan: GenerationPlan | None = None
         self.records: dict[int, dict] = {}
         self.last_transfers: list = []
+        self.failed_at: float | None = None
 
     def start(self) -> None:
         record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
@@ -261,6 +262,7 @@ class _Run:
     def grow(self, joiners: list[int]) -> None:
         """Admits ready joiners at this step boundary: every member does the same, in step."""
         started = time.perf_counter()
+        self.failed_at = None
         old = self.plan
         step = self.trainer.completed_steps
         self.trainer.close()
@@ -273,7 +275,7 @@ class _Run:
         t1 = time.perf_counter()
         self.last_transfers = plan_transfers(self.templates, old.instantiation, recon.instantiation)
         failure = self._enter(record["generation"], step, recon.instantiation, self.last_transfers)
-        phases = {"agree": t1 - started, "rebuild_and_transfer": time.perf_counter() - t1}
+        phases = {"agree": t1 - started, **self.trainer.last_build_s}
         if failure:  # a joiner or member died while layers moved: recover from the base
             self.recover(failure, phases, started, first_generation=old.generation)
         else:
@@ -302,7 +304,7 @@ class _Run:
                "cause": record["cause"], "lost": sorted(before - after), "joined": sorted(after - before),
                "step": self.plan.start_step, "actions": record.get("actions", []),
                "bytes_moved": sum(t.bytes for t in self.last_transfers), "transfers": len(self.last_transfers),
-               "phases_s": phases, "total_s": time.perf_counter() - started}
+               "phases_s": phases, "total_s": time.perf_counter() - started, "failed_at": self.failed_at}
         self.sink.write(rec)
         self.store.set_json(f"recovery/{self.plan.generation}", rec)
 
@@ -348,8 +350,7 @@ class _Run:
         transfers = plan_transfers(self.templates, base_inst, inst, set(base_inst.nodes) - set(inst.nodes))
         self.last_transfers = transfers
         failure = self._enter(record["generation"], step, inst, transfers)
-        t3 = time.perf_counter()
-        for name, value in (("teardown", t1 - t0), ("agree", t2 - t1), ("rebuild_and_transfer", t3 - t2)):
+        for name, value in (("teardown", t1 - t0), ("agree", t2 - t1), *self.trainer.last_build_s.items()):
             phases[name] = phases.get(name, 0.0) + value
         return failure
 
@@ -389,6 +390,7 @@ class _Run:
                 self.step()
             except (RuntimeError, StepAborted) as exc:  # gloo errors are RuntimeErrors
                 cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                self.failed_at = time.time()
             if cause is not None:
                 # Recover only after leaving the except block: until then the exception and
                 # its traceback keep the dead generation's groups (and their sockets) alive,

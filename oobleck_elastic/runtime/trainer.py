@@ -80,6 +80,7 @@ class Trainer:
         self.order = SampleOrder(len(dataset), cfg.train.seed)
         self.generation: Generation | None = None
         self.completed_steps = 0
+        self.last_build_s: dict[str, float] = {}
         self.timeout = timedelta(seconds=cfg.elastic.collective_timeout_s)
         batch = cfg.train.global_batch_size
         self._loss_fn = lambda out, target: model.loss(out, target) / batch
@@ -98,13 +99,16 @@ class Trainer:
             raise RuntimeError(f"{self.me} has completed {self.completed_steps} steps but generation "
                                f"{plan.generation} starts at step {plan.start_step}")
         self.completed_steps = plan.start_step
+        t0 = time.perf_counter()
         gen = Generation(plan, self.me, self.store, self.layers, loss_fn=self._loss_fn,
                          schedule=self.cfg.train.schedule, timeout=self.timeout, fault=self.fault)
         self.generation = gen
+        t1 = time.perf_counter()
         if transfers:
             self.fault("transfer")
         moved = run_transfers(transfers, plan, self.me, self.layers, stepped=self.completed_steps > 0,
                               timeout=self.timeout)
+        t2 = time.perf_counter()
         if restore_from is not None:
             restore_layers(restore_from, plan.start_step, self.layers, gen.held_layers())
         for i in gen.held_layers():
@@ -117,6 +121,7 @@ class Trainer:
             gen.build_schedule()
         if settle:
             self.settle()
+        self.last_build_s = {"reinit": t1 - t0, "transfer": t2 - t1, "rebuild": time.perf_counter() - t2}
         return moved
 
     def settle(self) -> None:
