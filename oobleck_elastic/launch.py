@@ -197,11 +197,16 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
             if len(dead) == len(procs):
                 break
             if store.try_get_json("done") is not None:
+                # Nodes left out of the last generation (hung, fenced) never finish on their own.
+                members = set(store.try_get_json("generation")["nodes"])
+                for p in procs:
+                    if p.poll() is None and _node_of_pid(store, p.pid) not in members:
+                        os.killpg(p.pid, signal.SIGKILL)
                 finished_at = finished_at or time.monotonic()
-                if time.monotonic() - finished_at > 15:
+                if time.monotonic() - finished_at > 30:
                     stuck = [p.pid for p in procs if p.poll() is None]
-                    print(f"oobleck: the run is done but agent(s) {stuck} did not exit (hung or fenced "
-                          "nodes); stopping them", file=sys.stderr)
+                    print(f"oobleck: the run is done but agent(s) {stuck} did not exit; stopping them",
+                          file=sys.stderr)
                     break
             time.sleep(0.1)
     except KeyboardInterrupt:

@@ -44,6 +44,20 @@ def failure_free(tmp_path_factory):
     return records(tmp / "ref/metrics.jsonl")[-1]
 
 
+def node_worker(run_id: str, node: int) -> psutil.Process:
+    """The worker process of `node` (its environment, fixed at exec, names run and node)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if env.get("OOBLECK_RUN_ID") == run_id and env.get("OOBLECK_NODE_ID") == str(node):
+            found.append(proc)
+    assert len(found) == 1, found
+    return found[0]
+
+
 def run_with_faults(tmp_path, nodes: int, fault: str):
     env = {**os.environ, "OOBLECK_FAULT": fault}
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", f"--oobleck-local-nodes={nodes}",
@@ -128,15 +142,10 @@ def test_sigstopped_node_is_detected_by_its_lease(tmp_path, failure_free):
                                             for line in metrics.read_text().splitlines()) >= 2):
             assert time.monotonic() < deadline and launcher.poll() is None, "the job never got going"
             time.sleep(0.2)
-        for proc in psutil.process_iter():
-            try:
-                env = proc.environ()
-            except (psutil.AccessDenied, psutil.NoSuchProcess):
-                continue
-            if env.get("OOBLECK_RUN_ID") == "stoptest" and env.get("OOBLECK_NODE_ID") == "1":
-                proc.suspend()
-                stopped.append(proc)
-        assert stopped, "node 1's agent and worker were found"
+        worker = node_worker("stoptest", 1)
+        for proc in (worker.parent(), worker):  # the whole node: agent (its lease stops) and worker
+            proc.suspend()
+            stopped.append(proc)
         out, _ = launcher.communicate(timeout=300)
     finally:
         for proc in stopped:
@@ -217,19 +226,10 @@ def test_workers_exit_when_their_agent_dies(tmp_path):
         while not (metrics.exists() and '"step": 1' in metrics.read_text()):
             assert time.monotonic() < deadline and launcher.poll() is None, "the job never got going"
             time.sleep(0.2)
-        node2 = []
-        for proc in psutil.process_iter():
-            try:
-                env = proc.environ()
-            except (psutil.AccessDenied, psutil.NoSuchProcess):
-                continue
-            if env.get("OOBLECK_RUN_ID") == "orphan" and env.get("OOBLECK_NODE_ID") == "2":
-                node2.append(proc)
-        worker = [p for p in node2 if "train.py" in " ".join(p.cmdline())]
-        agent = [p for p in node2 if "oobleck_elastic.launch" in " ".join(p.cmdline())]
-        assert len(worker) == 1 and len(agent) == 1
-        agent[0].kill()
-        gone, alive = psutil.wait_procs(worker, timeout=10)
+        worker = node_worker("orphan", 2)
+        assert "oobleck_elastic.launch" in " ".join(worker.parent().cmdline())
+        worker.parent().kill()
+        gone, alive = psutil.wait_procs([worker], timeout=10)
         assert not alive, "the worker outlived its agent"
         out, _ = launcher.communicate(timeout=300)
     finally:
