@@ -43,6 +43,15 @@ def test_rebuilt_into_a_different_layout_halfway(tmp_path):
               Phase(pipelines=((0, 1, 2), (3, 4), (5,)), steps=2)]
     results = run_job(phases, tmp_path)
     assert_same_weights(results, reference(4))
+    # replicas, including the ones rebuilt from transfers, are bit-identical to each other
+    by_layer = {}
+    for res in results.values():
+        for layer, state in res["state"].items():
+            by_layer.setdefault(layer, []).append(state)
+    assert any(len(v) > 1 for v in by_layer.values())
+    for layer, states in by_layer.items():
+        for other in states[1:]:
+            assert all(torch.equal(states[0][k], other[k]) for k in states[0]), f"layer {layer} replicas differ"
     steps = sorted({r["step"] for res in results.values() for r in res["records"]})
     assert steps == [0, 1, 2, 3]
     for step in steps:
