@@ -87,7 +87,10 @@ def run_node(args: argparse.Namespace) -> int:
     try:
         result = agent.run()
     finally:
-        handler.shutdown()
+        try:
+            handler.shutdown()
+        except Exception as exc:  # the store's host may be gone; leaving is best effort
+            logger.warning("[node %s] could not leave the rendezvous cleanly: %s", handler.node, exc)
     if result.is_failed():
         for rank, failure in result.failures.items():
             print(f"[node {handler.node}] worker {rank} failed: exit code {failure.exitcode}", file=sys.stderr)

@@ -237,3 +237,54 @@ def test_workers_exit_when_their_agent_dies(tmp_path):
             launcher.kill()
     assert launcher.returncode == 0, out
     assert [r["lost"] for r in records(tmp_path / "job/metrics.jsonl") if r.get("event") == "recovery"] == [[2]]
+
+
+def test_losing_the_embedded_store_host_fails_clearly(tmp_path):
+    """Two nodes started by hand (no local launcher): the first agent hosts the store. Killing
+    that node must end the other one with a clear message, not a hang."""
+    port = free_port()
+    base = [sys.executable, "-m", "oobleck_elastic.launch", "--nnodes=2", "--nproc-per-node=1",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hostloss", "--max-restarts=0", SCRIPT,
+            *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB", "--set", "fault_tolerance=0",
+            "--set", "train.steps=200", "--set", "elastic.collective_timeout_s=5"]
+    logs = [open(tmp_path / f"node{k}.log", "w") for k in range(2)]
+    host = subprocess.Popen(base, cwd=tmp_path, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not port_open(port):
+        assert time.monotonic() < deadline and host.poll() is None, "the first node never hosted the store"
+        time.sleep(0.1)
+    other = subprocess.Popen(base, cwd=tmp_path, stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        metrics = tmp_path / "job/metrics.jsonl"
+        deadline = time.monotonic() + 200
+        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
+            assert time.monotonic() < deadline and other.poll() is None, "the job never got going"
+            time.sleep(0.2)
+        worker = node_worker("hostloss", 0)
+        os.killpg(host.pid, 9)
+        worker.kill()  # the whole first node
+        assert other.wait(timeout=120) != 0
+    finally:
+        for proc in (host, other):
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        for log in logs:
+            log.close()
+    text = (tmp_path / "node1.log").read_text()
+    assert "membership store at 127.0.0.1" in text and "is unreachable" in text, text[-3000:]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
