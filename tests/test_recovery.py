@@ -44,6 +44,15 @@ def failure_free(tmp_path_factory):
     return records(tmp / "ref/metrics.jsonl")[-1]
 
 
+def wait_for_step_one(tmp_path, proc: subprocess.Popen, timeout: float = 200) -> None:
+    """Polls the job's metrics log until step 1 is logged (the job is under way)."""
+    metrics = tmp_path / "job/metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and '"step": 1' in metrics.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the job never got going"
+        time.sleep(0.2)
+
+
 def node_worker(run_id: str, node: int) -> psutil.Process:
     """The worker process of `node` (its environment, fixed at exec, names run and node)."""
     found = []
@@ -136,12 +145,7 @@ def test_sigstopped_node_is_detected_by_its_lease(tmp_path, failure_free):
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stopped = []
     try:
-        metrics = tmp_path / "job/metrics.jsonl"
-        deadline = time.monotonic() + 200
-        while not (metrics.exists() and sum('"step"' in line and '"event"' not in line
-                                            for line in metrics.read_text().splitlines()) >= 2):
-            assert time.monotonic() < deadline and launcher.poll() is None, "the job never got going"
-            time.sleep(0.2)
+        wait_for_step_one(tmp_path, launcher)
         worker = node_worker("stoptest", 1)
         for proc in (worker.parent(), worker):  # the whole node: agent (its lease stops) and worker
             proc.suspend()
@@ -221,11 +225,7 @@ def test_workers_exit_when_their_agent_dies(tmp_path):
                                  SCRIPT, *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB"],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        metrics = tmp_path / "job/metrics.jsonl"
-        deadline = time.monotonic() + 200
-        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
-            assert time.monotonic() < deadline and launcher.poll() is None, "the job never got going"
-            time.sleep(0.2)
+        wait_for_step_one(tmp_path, launcher)
         worker = node_worker("orphan", 2)
         assert "oobleck_elastic.launch" in " ".join(worker.parent().cmdline())
         worker.parent().kill()
@@ -255,11 +255,7 @@ def test_losing_the_embedded_store_host_fails_clearly(tmp_path):
         time.sleep(0.1)
     other = subprocess.Popen(base, cwd=tmp_path, stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        metrics = tmp_path / "job/metrics.jsonl"
-        deadline = time.monotonic() + 200
-        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
-            assert time.monotonic() < deadline and other.poll() is None, "the job never got going"
-            time.sleep(0.2)
+        wait_for_step_one(tmp_path, other)
         worker = node_worker("hostloss", 0)
         os.killpg(host.pid, 9)
         worker.kill()  # the whole first node
