@@ -9,7 +9,6 @@ runtime, for comparison.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import socket

@@ -70,13 +70,13 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         import torch.optim  # deferred: only jobs that train need torch at parse time
 
+        from oobleck_elastic.config.parse import did_you_mean  # parse imports this module
+
         cls = getattr(torch.optim, self.name, None)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             names = sorted(n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
                            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
                            and n != "Optimizer")
-            from oobleck_elastic.config.parse import did_you_mean
-
             raise ConfigError(
                 f"train.optimizer.name {self.name!r} is not a torch.optim optimizer"
                 f"{did_you_mean(self.name, names)}; accepted: {', '.join(names)}"
@@ -85,8 +85,6 @@ class OptimizerConfig:
         accepted = [p for p in params if p not in ("self", "params")]
         for key, value in self.kwargs.items():
             if key not in accepted:
-                from oobleck_elastic.config.parse import did_you_mean
-
                 raise ConfigError(
                     f"train.optimizer.{key} is not an argument of torch.optim.{self.name}"
                     f"{did_you_mean(key, accepted)}; accepted: {', '.join(accepted)}"
