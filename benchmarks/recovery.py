@@ -69,63 +69,61 @@ def _records_or_empty(path):
     return _records(path) if os.path.exists(path) else []
 
 
-def run_torchrun(tmp: str, nodes: int, steps: int, kill_step: int, backend: str = "static",
+def run_torchrun(tmp: str, nodes: int, steps: int, kill_step: int, *, min_nodes: int | None = None,
+                 restart: bool = False, share_store: bool = True, killed: int = 1,
+                 rdzv_conf: str = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
                  patience: float = 180.0) -> dict:
-    work = f"{tmp}/torchrun-{backend}"
+    work = f"{tmp}/torchrun"
     os.makedirs(work, exist_ok=True)
     port = _free_port()
     procs = []
+    env_extra = {} if share_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
     def start(node: int) -> None:
-        env = {**os.environ, "BENCH_DIR": work, "BENCH_NODE": str(node), "OMP_NUM_THREADS": "1",
-               "BENCH_KILL": f"{nodes - 1},{kill_step}"}  # the last node: not the c10d store's host
-        rdzv = (["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench",
-                 "--rdzv-conf=join_timeout=120,close_timeout=10"] if backend == "c10d" else
-                [f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"])
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
-               *rdzv, "--max-restarts=3",
-               "--monitor-interval=0.1", os.path.join(ROOT, "benchmarks/torchrun_baseline.py"),
+        env = {**os.environ, **env_extra, "BENCH_DIR": work, "BENCH_NODE": str(node), "OMP_NUM_THREADS": "1",
+               "BENCH_KILL": f"{killed},{kill_step}"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes or nodes}:{nodes}",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=bench", f"--rdzv-conf=is_host={int(node == 0)},{rdzv_conf}",
+               "--max-restarts=3", "--monitor-interval=0.1", os.path.join(ROOT, "benchmarks/torchrun_baseline.py"),
                "--config", CONFIG, "--set", f"train.steps={steps}", "--set", "train.global_batch_size=60"]
         log = open(f"{work}/node{node}-{len(procs)}.log", "w")  # noqa: SIM115
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True), log))
 
-    for node in range(nodes):
-        start(node)
-        time.sleep(0.5 if node == 0 else 0.1)  # node 0 binds the rendezvous endpoint first
-    # A cluster manager replaces the dead machine: start that node again as soon as it dies,
-    # which is the best case for torchrun (it restarts every worker and waits for a full group).
-    while not os.path.exists(f"{work}/killed"):
-        time.sleep(0.05)
-    procs[nodes - 1][0].wait()
-    start(nodes - 1)
-    killed_at = json.load(open(f"{work}/killed"))["time"]
-    deadline = time.time() + patience
-    while time.time() < deadline and any(p.poll() is None for p, _ in procs):
-        if any(r["time"] > killed_at and r["step"] <= kill_step for r in _records_or_empty(f"{work}/steps.jsonl")):
-            deadline = min(deadline, time.time() + 600)  # recovered: let it finish
-            if all(p.poll() is not None for p, _ in procs):
-                break
-        time.sleep(0.5)
-    for proc, log in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        log.close()
-    kill = json.load(open(f"{work}/killed"))
-    log = _records(f"{work}/steps.jsonl")
-    # the first step after the restart (a step of the old world may finish just after the kill)
-    after = [r for r in log if r["time"] > kill["time"] and r["step"] <= kill["step"]]
+    try:
+        for node in range(nodes):
+            start(node)
+        deadline = time.time() + 300
+        while not os.path.exists(f"{work}/killed"):
+            if time.time() > deadline or all(p.poll() is not None for p, _ in procs):
+                raise RuntimeError("never reached the kill")
+            time.sleep(0.05)
+        if restart:
+            procs[killed][0].wait(timeout=30)
+            start(killed)
+        kill = json.load(open(f"{work}/killed"))
+        deadline = time.time() + patience
+        after = []
+        while time.time() < deadline and not after:
+            after = [r for r in _records_or_empty(f"{work}/steps.jsonl") if r["started"] > kill["time"]]
+            time.sleep(0.1)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            log.close()
     if not after:
         errors = set()
         for name in os.listdir(work):
             if name.endswith(".log"):
                 with open(os.path.join(work, name)) as f:
-                    errors |= {line.strip()[:110] for line in f if line.startswith("RuntimeError")}
+                    errors |= {line.strip()[:160] for line in f if "Error" in line}
         return {"recover_s": None, "lost_steps": None,
-                "failure": f"no step completed within {patience:.0f} s of the kill ({backend} rendezvous, "
-                           "the killed node started again at once): " + " | ".join(sorted(errors)[:2])}
-    return {"recover_s": after[0]["time"] - kill["time"], "lost_steps": kill["step"] - after[0]["step"]}
+                "failure": f"no step completed within {patience:.0f} s of the kill: " + " | ".join(sorted(errors)[:6])}
+    return {"recover_s": after[0]["time"] - kill["time"], "lost_steps": kill["step"] - after[0]["step"],
+            "world": after[0]["world"]}
 
 
 def _raw_gloo(rank: int, port: int, nbytes: int, queue) -> None:

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-per-worker", help="per-worker memory budget, e.g. 16GiB "
                    "(default: planner.memory_per_worker, else the profiled device's memory)")
     p.add_argument("--wide", action="store_true", help="allow stages spanning several workers of a node")
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="stages per worker for the Interleaved1F1B schedule (default 1: one stage per worker)")
     p.add_argument("--fail", metavar="ID,...", help="node ids to fail (0..N-1)")
     p.add_argument("--join", type=int, default=0, metavar="K", help="nodes joining (ids N..N+K-1)")
     p.add_argument("--evaluate", metavar="SPLIT", help='estimate a stage split such as "0-4,4-9,9-12"')
@@ -88,13 +90,14 @@ def _evaluate(args, profile, cluster, total) -> dict:
     bounds = _parse_split(args.evaluate, profile.num_layers)
     stages = len(bounds) - 1
     g = cluster.workers_per_node
-    if stages % g and not args.wide:
+    v = args.virtual_stages
+    if stages % (g * v) and not args.wide:
         raise ConfigError(f"--evaluate: {stages} stages do not fill whole nodes of {g} workers "
-                          "(one stage per worker); use --wide to evaluate stages spanning workers")
-    nodes = max(1, stages // g) if not args.wide else max(1, -(-stages // g))
+                          f"({v} stage(s) per worker); use --wide to evaluate stages spanning workers")
+    nodes = max(1, stages // (g * v)) if not args.wide else max(1, -(-stages // g))
     m = nominal_microbatches(total, nodes, args.nnodes)
-    evaluated = template_from_bounds(profile, cluster, nodes, bounds, m)
-    best = plan_template(profile, cluster, nodes, m, wide=args.wide)
+    evaluated = template_from_bounds(profile, cluster, nodes, bounds, m, v)
+    best = plan_template(profile, cluster, nodes, m, wide=args.wide, virtual_stages=v)
     over = [i for i, s in enumerate(evaluated.stages) if s.memory_bytes > cluster.memory_per_worker]
     return {"nodes": nodes, "microbatches": m, "iteration_ms": evaluated.iteration_ms,
             "stages": to_jsonable(evaluated.stages), "fits_memory": not over,
@@ -104,7 +107,10 @@ def _evaluate(args, profile, cluster, total) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    _positive(args, "nnodes", "nproc_per_node", "global_batch", "microbatch")
+    _positive(args, "nnodes", "nproc_per_node", "global_batch", "microbatch", "virtual_stages")
+    if args.wide and args.virtual_stages > 1:
+        raise ConfigError("--wide and --virtual-stages > 1 cannot be combined: interleaved stages run "
+                          "one per worker")
     if args.fault_tolerance < 0:
         raise ConfigError(f"--fault-tolerance must be >= 0, got {args.fault_tolerance}")
     if args.global_batch % args.microbatch:
@@ -117,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     nodes = list(range(args.nnodes))
     job = plan_job(profile, cluster, nodes=nodes, fault_tolerance=args.fault_tolerance,
                    global_batch=args.global_batch, microbatch_size=args.microbatch,
-                   wide=args.wide or planner.wide)
+                   wide=args.wide or planner.wide, virtual_stages=args.virtual_stages)
     out = {"templates": job.templates, "instantiation": job.instantiation, "_job": job}
     failed = [int(x) for x in args.fail.split(",") if x.strip()] if args.fail else []
     if failed or args.join:

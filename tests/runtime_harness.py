@@ -49,17 +49,18 @@ def job_config(overrides=()):
                               "elastic.lease_timeout_s=90", "elastic.agreement_timeout_s=120", *overrides])
 
 
-def templates_for(num_layers: int, max_nodes: int):
+def templates_for(num_layers: int, max_nodes: int, virtual_stages: int = 1):
     layer = LayerProfile(name="l", forward_ms=1.0, backward_ms=2.0, param_bytes=1, grad_bytes=1,
                          optimizer_bytes=2, activation_bytes=1, output_bytes=1)
     profile = ModelProfile(signature="uniform", microbatch_size=1, dtype="float64", device="test",
                            torch_version="n/a", device_memory_bytes=None, layers=(layer,) * num_layers)
     return plan_templates(profile, Cluster(workers_per_node=1, memory_per_worker=10**9), max_nodes=max_nodes,
-                          fault_tolerance=0, total_microbatches=64)
+                          fault_tolerance=0, total_microbatches=64, virtual_stages=virtual_stages)
 
 
-def plans_for(phases, num_layers, global_batch, microbatch):
-    ts = templates_for(num_layers, max(max(n for p in ph.pipelines for n in p) for ph in phases) + 1)
+def plans_for(phases, num_layers, global_batch, microbatch, virtual_stages=1):
+    ts = templates_for(num_layers, max(max(n for p in ph.pipelines for n in p) for ph in phases) + 1,
+                       virtual_stages)
     plans = []
     start = 0
     for g, phase in enumerate(phases):
@@ -87,7 +88,8 @@ def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str) ->
                                            timeout=__import__("datetime").timedelta(seconds=60))
         spec = gpt_model(TINY)
         data = SyntheticTokens(TINY, seed=0)
-        ts, plans = plans_for(phases, spec.num_layers, cfg.train.global_batch_size, cfg.train.microbatch_size)
+        ts, plans = plans_for(phases, spec.num_layers, cfg.train.global_batch_size, cfg.train.microbatch_size,
+                              cfg.train.stages_per_worker)
         me = WorkerRef(node, 0)
         trainer = Trainer(model=spec, dataset=data, cfg=cfg, me=me, store=store)
         records = []

@@ -51,6 +51,9 @@ def test_defaults_and_file_and_overrides(tmp_path):
     (["checkpoint.interval=-2"], "checkpoint.interval must be >= 0"),
     (["train.grad_clip_norm=0"], "train.grad_clip_norm must be > 0 or null"),
     (["train.schedule=ZB"], "train.schedule must be one of '1F1B', 'GPipe', 'Interleaved1F1B'"),
+    (["train.schedule=Interleaved1F1B", "train.virtual_stages=1"],
+     "train.schedule Interleaved1F1B needs train.virtual_stages >= 2, got 1"),
+    (["train.virtual_stages=0"], "train.virtual_stages must be >= 1, got 0"),
     (["train"], "--set expects dotted.key=value"),
     (["train.steps.x=1"], "'train.steps' is a value, not a section"),
 ])

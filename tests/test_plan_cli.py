@@ -58,6 +58,8 @@ def test_evaluate_json_compares_with_the_optimum(capsys):
     (["--evaluate", "0-5,5-20"], "ends at 20 but the model has 24 layers"),
     (["--fail", "42"], "lost node(s) [42] are not in the current instantiation"),
     (["--fail", "0,4"], "have no surviving replica"),
+    (["--wide", "--virtual-stages", "2"], "--wide and --virtual-stages > 1 cannot be combined"),
+    (["--virtual-stages", "0"], "--virtual-stages must be >= 1, got 0"),
 ])
 def test_bad_input_exits_2_with_message(capsys, extra, message):
     assert main([*BASE, *extra]) == 2

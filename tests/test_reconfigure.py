@@ -35,12 +35,12 @@ def check_plan(ts, before, plan, lost, joined):
     new = layer_holders(inst, ts)
     received = {(t.dst, t.layer) for t in plan.transfers}
     for t in plan.transfers:
-        assert t.src in old and old[t.src][0] <= t.layer < old[t.src][1], "source holds the layer"
+        assert t.src in old and t.layer in old[t.src], "source holds the layer"
         assert t.src.node not in lost
-    for worker, (start, end) in new.items():
-        had = old.get(worker, (0, 0))
-        for layer in range(start, end):
-            if not had[0] <= layer < had[1]:
+    for worker, layers in new.items():
+        had = old.get(worker, ())
+        for layer in layers:
+            if layer not in had:
                 assert (worker, layer) in received, f"{worker} misses layer {layer}"
     assert len(received) == len(plan.transfers), "no layer is sent twice to one worker"
     # the new generation keeps the global batch and is a valid plan on its own

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> None:
     nodes = list(range(args.nnodes))
     job = plan_job(profile, cluster, nodes=nodes, fault_tolerance=cfg.fault_tolerance,
                    global_batch=cfg.train.global_batch_size, microbatch_size=cfg.train.microbatch_size,
-                   wide=cfg.planner.wide)
+                   wide=cfg.planner.wide, virtual_stages=cfg.train.stages_per_worker)
     print(f"\nPipeline templates ({args.nnodes} nodes x {args.nproc_per_node} worker(s), "
           f"f = {cfg.fault_tolerance}, {fmt_bytes(cluster.memory_per_worker)} per worker)")
     print(templates_table(job.templates))

@@ -138,6 +138,9 @@ class TrainConfig:
     """Clip the global gradient norm (each layer counted once) to this value; null: no clipping."""
     schedule: ScheduleName = "1F1B"
     """Pipeline schedule of torch.distributed.pipelining."""
+    virtual_stages: int = 2
+    """Interleaved1F1B only: stages per worker (the model is split into this many times the
+    pipeline's worker count; worker w runs stages w, w + S, ...)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "microbatch_size", "steps"):
@@ -152,6 +155,11 @@ class TrainConfig:
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
                 f"train.microbatch_size ({self.microbatch_size}); nearest valid: {near}"
             )
+        _check(self.virtual_stages >= 1, f"train.virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.schedule == "Interleaved1F1B":
+            _check(self.virtual_stages >= 2,
+                   f"train.schedule Interleaved1F1B needs train.virtual_stages >= 2, got "
+                   f"{self.virtual_stages}; use schedule 1F1B for one stage per worker")
         if self.grad_clip_norm is not None:
             _check(self.grad_clip_norm > 0,
                    f"train.grad_clip_norm must be > 0 or null, got {self.grad_clip_norm}")
@@ -159,6 +167,11 @@ class TrainConfig:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.microbatch_size
+
+    @property
+    def stages_per_worker(self) -> int:
+        """Pipeline stages each worker runs: virtual_stages when interleaved, else 1."""
+        return self.virtual_stages if self.schedule == "Interleaved1F1B" else 1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -157,7 +157,8 @@ class _Run:
         cluster = make_cluster(self.cfg.planner, profile, self.env.local_world_size)
         self.templates = plan_templates(profile, cluster, max_nodes=len(nodes),
                                         fault_tolerance=self.cfg.fault_tolerance,
-                                        total_microbatches=self.cfg.train.num_microbatches)
+                                        total_microbatches=self.cfg.train.num_microbatches,
+                                        virtual_stages=self.cfg.train.stages_per_worker)
         if record["generation"] == 0 and "instantiation" not in record:
             inst = instantiate(self.templates, nodes, self.cfg.train.global_batch_size,
                                self.cfg.train.microbatch_size)
@@ -328,8 +329,7 @@ class _Run:
         base_inst = self._instantiation(base)
         if base != old.generation:  # the failed build may have left partial copies: drop them
             held = layer_holders(base_inst, self.templates)
-            self.trainer.layers.keep_only(
-                range(*held[self.me]) if self.me in held else ())
+            self.trainer.layers.keep_only(held.get(self.me, ()))
         try:
             recon = reconfigure(self.templates, base_inst, lost=sorted(set(base_inst.nodes) - set(alive)))
         except LayersLostError as exc:

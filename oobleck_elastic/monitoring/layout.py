@@ -65,9 +65,9 @@ class _Canvas:
             x += 4 * scale
 
 
-def render_layout(rows: Sequence[tuple[int, int, int, tuple[int, int]]], num_layers: int,
+def render_layout(rows: Sequence[tuple[int, int, int, Sequence[int]]], num_layers: int,
                   title: str) -> bytes:
-    """PNG of `rows` = (pipeline, node, local_rank, (first layer, end layer)) per worker."""
+    """PNG of `rows` = (pipeline, node, local_rank, layers held) per worker."""
     cell, row_h, label_w, top = 12, 16, 150, 34
     width = label_w + num_layers * cell + 10
     height = top + len(rows) * row_h + 10
@@ -76,10 +76,11 @@ def render_layout(rows: Sequence[tuple[int, int, int, tuple[int, int]]], num_lay
     step = max(1, (num_layers + 9) // 10)
     for layer in range(0, num_layers, step):
         canvas.text(label_w + layer * cell, 20, str(layer), scale=1)
-    for i, (pipeline, node, rank, (start, end)) in enumerate(rows):
+    for i, (pipeline, node, rank, layers) in enumerate(rows):
         y = top + i * row_h
         canvas.text(6, y + 2, f"p{pipeline} n{node} w{rank}")
         canvas.rect(label_w, y + row_h - 2, num_layers * cell, 1, (220, 220, 220))
         color = _PALETTE[pipeline % len(_PALETTE)]
-        canvas.rect(label_w + start * cell, y + 1, (end - start) * cell - 1, row_h - 3, color)
+        for layer in layers:
+            canvas.rect(label_w + layer * cell, y + 1, cell - 1, row_h - 3, color)
     return encode_png(canvas.px)

@@ -28,6 +28,21 @@ Note: [cost model]
     Memory of a worker on stage k: (parameters + gradients + optimizer state of its layers +
     (S - k) microbatches of saved activations) / width, because 1F1B keeps up to S - k
     microbatches in flight on stage k (torch's Schedule1F1B warms up with S - k forwards).
+
+Note: [interleaved cost model]
+    Under ScheduleInterleaved1F1B a pipeline of P workers runs v*P stages, stage k on worker
+    k mod P. Worker p does M * W_p work (W_p: the compute of its v stages) and the fill/drain
+    bubble shrinks to about (P - 1) stage times instead of (P - 1) worker times (Narayanan et
+    al., 2021):
+
+        T(M) = M * max_p W_p + (P - 1) * max_k (w_k + 2 c_k)
+
+    This is an estimate, not the lower bound of the 1F1B model: the planner splits the layers
+    into v*P stages with the 1F1B search (which balances stage times, and so worker times), then
+    uses this formula to size pipelines. Memory of worker p: its stages' static state plus
+    in-flight stage activations; torch warms worker p up with (v - 1) * R + 2 (P - 1 - p)
+    forwards, R (microbatches per round) < 2P, so at most (v - 1)(2P - 1) + 2(P - 1 - p) + 1
+    activations, each bounded by the largest of its stages'.
 """
 
 from __future__ import annotations
@@ -40,7 +55,8 @@ import numpy as np
 
 from oobleck_elastic.planning.profile import ModelProfile
 
-__all__ = ["Cluster", "CostTables", "iteration_ms", "stage_leads", "stage_times"]
+__all__ = ["Cluster", "CostTables", "interleaved_in_flight", "interleaved_iteration_ms", "iteration_ms",
+           "stage_leads", "stage_times"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +100,20 @@ def iteration_ms(stage_ms: Sequence[float], forward_ms: Sequence[float], send_ms
     """T(M) of the cost model (see Note: [cost model])."""
     leads = stage_leads(stage_ms, forward_ms, send_ms)
     return max(lead + microbatches * w for lead, w in zip(leads, stage_ms))
+
+
+def interleaved_iteration_ms(stage_ms: Sequence[float], send_ms: Sequence[float], positions: int,
+                             microbatches: int) -> float:
+    """T(M) of `positions` workers running stage k on worker k mod positions (see Note:
+    [interleaved cost model]); send_ms has one entry per stage, 0 for the last."""
+    per_worker = [sum(stage_ms[p::positions]) for p in range(positions)]
+    fill = max(w + 2 * c for w, c in zip(stage_ms, send_ms))
+    return microbatches * max(per_worker) + (positions - 1) * fill
+
+
+def interleaved_in_flight(position: int, positions: int, virtual_stages: int) -> int:
+    """Most stage activations worker `position` holds at once under ScheduleInterleaved1F1B."""
+    return (virtual_stages - 1) * (2 * positions - 1) + 2 * (positions - 1 - position) + 1
 
 
 def stage_times(profile: ModelProfile, cluster: Cluster, bounds: Sequence[int],

@@ -4,7 +4,9 @@ Note: [batch split]
     The global batch of B samples is B/b microbatches. Pipeline i gets m_i >= S_i of them
     (1F1B fills its S_i stages), sum m_i = B/b exactly, and the split minimises the slowest
     pipeline's cost-model time max_i T_i(m_i). Pipelines take contiguous sample slices in
-    pipeline order (`Instantiation.sample_slices`).
+    pipeline order (`Instantiation.sample_slices`). Interleaved pipelines only run counts
+    their schedule accepts (`PipelineTemplate.runs_microbatches`); their split is an exact
+    dynamic program over (pipeline, microbatches so far) instead of the greedy give-back.
 
 Choosing the mix is a search over the target time T*: at T* template n can hold
 cap_n(T*) = max{m : T_n(m) <= T*} microbatches, so "can the live nodes hold B/b by T*" is an
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from oobleck_elastic.errors import InfeasibleBatchError, PlanningError
-from oobleck_elastic.planning.cost import stage_leads
 from oobleck_elastic.planning.templates import PipelineTemplate, TemplateSet
 
 __all__ = ["PipelinePlan", "Instantiation", "instantiate", "split_batch", "build_instantiation"]
@@ -65,19 +66,12 @@ class Instantiation:
         return slices
 
 
-def _times(template: PipelineTemplate, total: int) -> np.ndarray:
-    """T(m) for m = S .. total (vectorised cost model; same formula as cost.iteration_ms)."""
-    compute = [s.compute_ms for s in template.stages]
-    leads = np.array(stage_leads(compute, [s.forward_ms for s in template.stages],
-                                 [s.send_ms for s in template.stages[:-1]]))
-    m = np.arange(template.num_stages, total + 1, dtype=float)
-    if m.size == 0:
-        return m
-    return (leads[:, None] + m[None, :] * np.array(compute)[:, None]).max(axis=0)
-
-
 def _capacity(times: np.ndarray, first: int, target: float) -> int:
-    """max m with T(m) <= target, or first - 1 when even m = first is too slow."""
+    """max m with T(m) <= target, or first - 1 when even m = first is too slow. T is
+    non-decreasing where finite; inf marks counts the schedule cannot run."""
+    if np.isinf(times[-1:]).any() or not np.isfinite(times).all():
+        fits = np.nonzero(times <= target)[0]
+        return int(fits[-1]) + first if fits.size else first - 1
     return int(np.searchsorted(times, target, side="right")) - 1 + first
 
 
@@ -88,6 +82,8 @@ def _balanced(times: Sequence[np.ndarray], firsts: Sequence[int], total: int,
     `kinds[i]` says which entry of `times`/`firsts` pipeline i uses (default: its own), so a
     thousand pipelines of a dozen templates cost a dozen searches, not a thousand."""
     kinds = list(range(len(times))) if kinds is None else list(kinds)
+    if any(not np.isfinite(t).all() for t in times):
+        return _balanced_exact(times, firsts, total, kinds)
     multiplicity = np.bincount(kinds, minlength=len(times))
     candidates = np.unique(np.concatenate([t for t, n in zip(times, multiplicity) if n and t.size]))
 
@@ -119,6 +115,42 @@ def _balanced(times: Sequence[np.ndarray], firsts: Sequence[int], total: int,
     return counts
 
 
+def _split_table(times: Sequence[np.ndarray], firsts: Sequence[int], limit: int,
+                 kinds: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """best[t]: least max_i T_i(m_i) over runnable m_i summing to t <= limit (inf: none), and
+    each pipeline's choice of m_i for every running total."""
+    best = np.full(limit + 1, np.inf)
+    best[0] = -np.inf
+    picks = []
+    for k in kinds:
+        nxt = np.full(limit + 1, np.inf)
+        pick = np.zeros(limit + 1, dtype=np.int64)
+        for offset, t_m in enumerate(times[k]):
+            m = firsts[k] + offset
+            if not np.isfinite(t_m) or m > limit:
+                continue
+            value = np.maximum(best[:limit + 1 - m], t_m)
+            better = value < nxt[m:]
+            nxt[m:][better] = value[better]
+            pick[m:][better] = m
+        best = nxt
+        picks.append(pick)
+    return best, picks
+
+
+def _balanced_exact(times: Sequence[np.ndarray], firsts: Sequence[int], total: int,
+                    kinds: Sequence[int]) -> list[int]:
+    """The exact min-max split when some counts cannot run (interleaved schedules)."""
+    best, picks = _split_table(times, firsts, total, kinds)
+    if not np.isfinite(best[total]):
+        raise ValueError(f"no split of {total} microbatches gives every pipeline a runnable count")
+    counts, t = [], total
+    for pick in reversed(picks):
+        counts.append(int(pick[t]))
+        t -= counts[-1]
+    return counts[::-1]
+
+
 def _nearest_batch_error(needed: int, microbatch_size: int, global_batch: int, what: str) -> InfeasibleBatchError:
     nearest = needed * microbatch_size
     return InfeasibleBatchError(
@@ -131,14 +163,28 @@ def _nearest_batch_error(needed: int, microbatch_size: int, global_batch: int, w
 def split_batch(templates: Sequence[PipelineTemplate], global_batch: int, microbatch_size: int) -> list[int]:
     """Microbatches per pipeline for a fixed mix of templates (see Note: [batch split])."""
     total = global_batch // microbatch_size
-    firsts = [t.num_stages for t in templates]
+    firsts = [t.min_microbatches for t in templates]
     if sum(firsts) > total:
         raise _nearest_batch_error(sum(firsts), microbatch_size, global_batch,
-                                   f"{len(templates)} pipelines with {sum(firsts)} stages")
+                                   f"{len(templates)} pipelines with {sum(firsts)} stage positions")
     distinct: dict[int, int] = {}
     kinds = [distinct.setdefault(id(t), len(distinct)) for t in templates]
     unique = list({id(t): t for t in templates}.values())
-    return _balanced([_times(t, total) for t in unique], [t.num_stages for t in unique], total, kinds)
+    times = [t.times(total) for t in unique]
+    if any(t.virtual_stages > 1 for t in unique):
+        limit = 2 * total + sum(firsts)
+        best, _ = _split_table([t.times(limit) for t in unique], [t.min_microbatches for t in unique],
+                               limit, kinds)
+        if not np.isfinite(best[total]):
+            runnable = np.nonzero(np.isfinite(best))[0]
+            nearest = int(runnable[np.argmin(np.abs(runnable - total))]) * microbatch_size
+            raise InfeasibleBatchError(
+                f"global batch {global_batch} is {total} microbatches of {microbatch_size}, which "
+                f"{len(templates)} interleaved pipelines of {sorted(t.positions for t in templates)} "
+                "positions cannot split into counts ScheduleInterleaved1F1B runs (each a multiple of "
+                f"its rounds, m // positions); the nearest valid global batch is {nearest} "
+                "(train.global_batch_size)", nearest_valid=nearest)
+    return _balanced(times, [t.min_microbatches for t in unique], total, kinds)
 
 
 def build_instantiation(templates: Sequence[PipelineTemplate], nodes: Sequence[Sequence[int]],
@@ -197,17 +243,18 @@ def instantiate(template_set: TemplateSet, nodes: Sequence[int], global_batch: i
     min_pipelines = template_set.fault_tolerance + 1 if min_pipelines is None else min_pipelines
     total = global_batch // microbatch_size
     node_ids = sorted(nodes)
-    usable = [t for t in template_set.templates if t.num_stages <= total]
+    usable = [t for t in template_set.templates if t.min_microbatches <= total]
     if not usable:
-        smallest = min(t.num_stages for t in template_set.templates)
+        smallest = min(t.min_microbatches for t in template_set.templates)
         raise _nearest_batch_error(smallest, microbatch_size, global_batch, "the smallest pipeline's stages")
     sizes = np.array([t.nodes for t in usable])
-    times = [_times(t, total) for t in usable]
+    times = [t.times(total) for t in usable]
     candidates = np.unique(np.concatenate(times))
+    candidates = candidates[np.isfinite(candidates)]
 
     def mix(target: float) -> tuple[int, list[int]]:
-        caps = np.array([_capacity(ti, t.num_stages, target) for ti, t in zip(times, usable)])
-        ok = caps >= np.array([t.num_stages for t in usable])
+        caps = np.array([_capacity(ti, t.min_microbatches, target) for ti, t in zip(times, usable)])
+        ok = caps >= np.array([t.min_microbatches for t in usable])
         return _best_mix(sizes[ok], caps[ok], len(node_ids), min_pipelines)[0], np.nonzero(ok)[0]
 
     capacity, _ = mix(candidates[-1])
@@ -226,11 +273,11 @@ def instantiate(template_set: TemplateSet, nodes: Sequence[int], global_batch: i
             hi = mid
         else:
             lo = mid + 1
-    caps = np.array([_capacity(ti, t.num_stages, candidates[lo]) for ti, t in zip(times, usable)])
-    ok = np.nonzero(caps >= np.array([t.num_stages for t in usable]))[0]
+    caps = np.array([_capacity(ti, t.min_microbatches, candidates[lo]) for ti, t in zip(times, usable)])
+    ok = np.nonzero(caps >= np.array([t.min_microbatches for t in usable]))[0]
     _, chosen = _best_mix(sizes[ok], caps[ok], len(node_ids), min_pipelines)
     picked = sorted((usable[ok[i]] for i in chosen), key=lambda t: -t.nodes)
-    stages = sum(t.num_stages for t in picked)
+    stages = sum(t.min_microbatches for t in picked)
     if stages > total:
         raise _nearest_batch_error(stages, microbatch_size, global_batch,
                                    f"{len(picked)} pipelines with {stages} stages")

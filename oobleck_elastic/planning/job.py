@@ -40,12 +40,14 @@ def make_cluster(planner: PlannerConfig, profile: ModelProfile, workers_per_node
 
 
 def plan_job(profile: ModelProfile, cluster: Cluster, *, nodes: Sequence[int], fault_tolerance: int,
-             global_batch: int, microbatch_size: int, wide: bool = False) -> JobPlan:
+             global_batch: int, microbatch_size: int, wide: bool = False,
+             virtual_stages: int = 1) -> JobPlan:
     """Templates for len(nodes) nodes and the fastest instantiation on them."""
     if profile.microbatch_size != microbatch_size:
         raise PlanningError(f"the profile was measured with microbatch size {profile.microbatch_size}, "
                             f"the job uses {microbatch_size}; profile again with the job's size")
     templates = plan_templates(profile, cluster, max_nodes=len(nodes), fault_tolerance=fault_tolerance,
-                               total_microbatches=global_batch // microbatch_size, wide=wide)
+                               total_microbatches=global_batch // microbatch_size, wide=wide,
+                               virtual_stages=virtual_stages)
     inst = instantiate(templates, nodes, global_batch, microbatch_size)
     return JobPlan(templates=templates, instantiation=inst)

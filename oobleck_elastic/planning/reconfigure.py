@@ -66,15 +66,16 @@ class ReconfigurationPlan:
         return sum(t.bytes for t in self.transfers)
 
 
-def layer_holders(inst: Instantiation, templates: TemplateSet) -> dict[WorkerRef, tuple[int, int]]:
-    """The layer range [start, end) each worker of an instantiation runs."""
+def layer_holders(inst: Instantiation, templates: TemplateSet) -> dict[WorkerRef, tuple[int, ...]]:
+    """The layers each worker of an instantiation runs, ascending (one contiguous range, or
+    several with interleaved templates)."""
     by_nodes = templates.by_nodes()
-    held = {}
+    held: dict[WorkerRef, list[int]] = {}
     for p in inst.pipelines:
         for stage in by_nodes[p.template].stages:
             for w in stage.workers:
-                held[WorkerRef(p.nodes[stage.node], w)] = stage.layers
-    return held
+                held.setdefault(WorkerRef(p.nodes[stage.node], w), []).extend(range(*stage.layers))
+    return {ref: tuple(sorted(layers)) for ref, layers in held.items()}
 
 
 @dataclass
@@ -90,7 +91,7 @@ class _Planner:
         self.templates = templates
         self.by_nodes = templates.by_nodes()
         self.state = templates.layer_state_bytes
-        self.old = {w: r for w, r in layer_holders(previous, templates).items() if w.node not in lost}
+        self.old = {w: set(ls) for w, ls in layer_holders(previous, templates).items() if w.node not in lost}
 
     def missing(self, template: PipelineTemplate, nodes: Sequence[int]) -> list[tuple[WorkerRef, int, int]]:
         """(worker, layer, bytes) that this pipeline's workers need and do not hold."""
@@ -98,9 +99,9 @@ class _Planner:
         for stage in template.stages:
             for w in stage.workers:
                 ref = WorkerRef(nodes[stage.node], w)
-                have = self.old.get(ref, (0, 0))
+                have = self.old.get(ref, set())
                 out.extend((ref, layer, self.state[layer] // len(stage.workers))
-                           for layer in range(*stage.layers) if not have[0] <= layer < have[1])
+                           for layer in range(*stage.layers) if layer not in have)
         return out
 
     def cost(self, *groups: Sequence[int]) -> int:
@@ -110,7 +111,7 @@ class _Planner:
         return count in self.by_nodes
 
     def first_layer(self, node: int) -> int | None:
-        starts = [r[0] for w, r in self.old.items() if w.node == node]
+        starts = [min(ls) for w, ls in self.old.items() if w.node == node and ls]
         return min(starts) if starts else None
 
     def best_order(self, nodes: Sequence[int]) -> list[int]:
@@ -252,8 +253,8 @@ def _split_nodes(templates: TemplateSet, count: int) -> list[int]:
 def _transfers(planner: _Planner, groups: Iterable[_Group]) -> list[Transfer]:
     needs = [item for g in groups for item in planner.missing(planner.by_nodes[len(g.nodes)], g.nodes)]
     holders: dict[int, list[WorkerRef]] = {}
-    for ref, (start, end) in planner.old.items():
-        for layer in range(start, end):
+    for ref, layers in planner.old.items():
+        for layer in layers:
             holders.setdefault(layer, []).append(ref)
     sent: dict[WorkerRef, int] = {}
     out = []
@@ -283,7 +284,7 @@ def reconfigure(templates: TemplateSet, previous: Instantiation, *, lost: Iterab
     if again := sorted(set(joined_list) & (known - lost_set)):
         raise PlanningError(f"joining node(s) {again} are already members")
     planner = _Planner(templates, previous, lost_set)
-    held = {layer for start, end in planner.old.values() for layer in range(start, end)}
+    held = set().union(*planner.old.values())
     if orphans := [i for i in range(len(templates.layer_state_bytes)) if i not in held]:
         raise LayersLostError(orphans)
     groups, spares, actions = _after_failures(planner, previous, lost_set)

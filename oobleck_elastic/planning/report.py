@@ -39,6 +39,9 @@ def templates_table(ts: TemplateSet) -> str:
              fmt_bytes(max(s.memory_bytes for s in t.stages))) for t in ts.templates]
     text = table(["nodes", "stages", "width", "layers per stage", "M", "est. ms", "peak mem/worker"], rows)
     notes = [f"n0 = {ts.min_nodes}; templates for {ts.templates[0].nodes}..{ts.templates[-1].nodes} nodes"]
+    if ts.templates[0].virtual_stages > 1:
+        notes.append(f"interleaved: {ts.templates[0].virtual_stages} stages per worker; stage k runs on worker "
+                     "k mod P of a P-worker pipeline")
     notes += [f"no template for {k}: {why}" for k, why in sorted(ts.infeasible.items())]
     if ts.uncovered:
         notes.append(f"WARNING: live node counts {list(ts.uncovered)} cannot be covered by "

@@ -14,16 +14,30 @@ it, which is the sum of the layers after e whatever their split), and `max(a, b 
 monotone in x, so optimal suffixes compose into the optimal whole (Bellman).
 Memory is a per-stage constraint that only depends on (j, l, e), so it prunes transitions.
 The DP runs over numpy matrices of layer ranges: O(S * L^2) per template.
+
+Interleaved templates (`virtual_stages=v > 1`, for ScheduleInterleaved1F1B) split the layers
+into v * P stages with the same search (each stage held to 1/v of a worker's memory), place
+stage k on worker position k mod P, then check each worker's real memory and size the
+pipeline with the interleaved estimate (cost.py, Note: [interleaved cost model]). That split
+is the 1F1B optimum over v * P stages, not a proven optimum of the interleaved schedule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from oobleck_elastic.planning.cost import Cluster, CostTables, iteration_ms, stage_times
+from oobleck_elastic.planning.cost import (
+    Cluster,
+    CostTables,
+    interleaved_in_flight,
+    interleaved_iteration_ms,
+    iteration_ms,
+    stage_leads,
+    stage_times,
+)
 from oobleck_elastic.planning.profile import ModelProfile
 
 __all__ = ["StagePlan", "PipelineTemplate", "TemplateSet", "plan_template", "plan_templates",
@@ -44,7 +58,8 @@ class StagePlan:
     send_ms: float
     """One activation (or gradient) transfer to the next stage; 0 for the last stage."""
     memory_bytes: int
-    """Per worker, with the 1F1B in-flight activations."""
+    """Per worker, with the schedule's in-flight activations (interleaved: the whole worker's,
+    all of its stages)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,18 +73,60 @@ class PipelineTemplate:
     """The microbatch count the split was optimised for."""
     iteration_ms: float
     """Cost-model iteration time at `microbatches`."""
+    virtual_stages: int = 1
+    """Stages per worker position: 1, or v for ScheduleInterleaved1F1B (stage k on position
+    k mod positions)."""
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
     @property
+    def positions(self) -> int:
+        """Stage positions (workers, or groups of `width` workers) of the pipeline."""
+        return len(self.stages) // self.virtual_stages
+
+    @property
     def width(self) -> int:
         return len(self.stages[0].workers)
 
+    @property
+    def min_microbatches(self) -> int:
+        """Fewest microbatches the pipeline runs: one per position fills it."""
+        return self.positions
+
+    def runs_microbatches(self, microbatches: int) -> bool:
+        """Whether torch's schedule accepts this count: ScheduleInterleaved1F1B needs it to be
+        a multiple of its rounds, max(1, m // positions)."""
+        if microbatches < self.min_microbatches:
+            return False
+        return self.virtual_stages == 1 or microbatches % max(1, microbatches // self.positions) == 0
+
     def iteration_ms_at(self, microbatches: int) -> float:
-        return iteration_ms([s.compute_ms for s in self.stages], [s.forward_ms for s in self.stages],
+        compute = [s.compute_ms for s in self.stages]
+        if self.virtual_stages > 1:
+            return interleaved_iteration_ms(compute, [s.send_ms for s in self.stages], self.positions,
+                                            microbatches)
+        return iteration_ms(compute, [s.forward_ms for s in self.stages],
                             [s.send_ms for s in self.stages[:-1]], microbatches)
+
+    def times(self, total: int) -> np.ndarray:
+        """T(m) for m = min_microbatches .. total, vectorised (inf where the schedule cannot
+        run m)."""
+        m = np.arange(self.min_microbatches, total + 1, dtype=float)
+        compute = np.array([s.compute_ms for s in self.stages])
+        if self.virtual_stages > 1:
+            per_worker = max(compute[p::self.positions].sum() for p in range(self.positions))
+            fill = max(s.compute_ms + 2 * s.send_ms for s in self.stages)
+            t = m * per_worker + (self.positions - 1) * fill
+        else:
+            leads = np.array(stage_leads(list(compute), [s.forward_ms for s in self.stages],
+                                         [s.send_ms for s in self.stages[:-1]]))
+            t = (leads[:, None] + m[None, :] * compute[:, None]).max(axis=0) if m.size else m
+        if self.virtual_stages == 1:
+            return t
+        valid = np.array([self.runs_microbatches(int(x)) for x in m], dtype=bool)
+        return np.where(valid, t, np.inf)
 
     def bounds(self) -> list[int]:
         return [s.layers[0] for s in self.stages] + [self.stages[-1].layers[1]]
@@ -106,39 +163,56 @@ def nominal_microbatches(total_microbatches: int, nodes: int, max_nodes: int) ->
 
 
 def template_from_bounds(profile: ModelProfile, cluster: Cluster, nodes: int,
-                         bounds: Sequence[int], microbatches: int) -> PipelineTemplate:
-    """The template for a given split (bounds[0] = 0 < ... < bounds[-1] = L) on `nodes` nodes."""
+                         bounds: Sequence[int], microbatches: int, virtual_stages: int = 1) -> PipelineTemplate:
+    """The template for a given split (bounds[0] = 0 < ... < bounds[-1] = L) on `nodes` nodes;
+    with virtual_stages = v, stage k runs on position k mod (stages / v)."""
     num_stages = len(bounds) - 1
     g = cluster.workers_per_node
-    width = nodes * g // num_stages
-    if num_stages * width != nodes * g or g % width:
-        raise ValueError(f"{num_stages} stages do not tile {nodes} node(s) of {g} workers evenly")
-    placement = [(k * width) // g for k in range(num_stages)]
+    positions = num_stages // virtual_stages
+    width = nodes * g // positions if positions else 0
+    if positions * virtual_stages != num_stages or positions * width != nodes * g or g % width:
+        raise ValueError(f"{num_stages} stages ({virtual_stages} per position) do not tile "
+                         f"{nodes} node(s) of {g} workers evenly")
+    position = [k % positions for k in range(num_stages)]
+    placement = [(p * width) // g for p in position]
     compute, forward, sends = stage_times(profile, cluster, bounds, placement, width)
     tables = CostTables(profile, cluster)
+    if virtual_stages == 1:
+        memory = [tables.memory(bounds[k], bounds[k + 1], num_stages - k, width) for k in range(num_stages)]
+    else:
+        per_position = []
+        for p in range(positions):
+            mine = range(p, num_stages, positions)
+            static = sum(tables.memory(bounds[k], bounds[k + 1], 0, width) for k in mine)
+            act = max(tables.memory(bounds[k], bounds[k + 1], 1, width)
+                      - tables.memory(bounds[k], bounds[k + 1], 0, width) for k in mine)
+            per_position.append(static + interleaved_in_flight(p, positions, virtual_stages) * act)
+        memory = [per_position[p] for p in position]
     stages = tuple(
         StagePlan(layers=(bounds[k], bounds[k + 1]), node=placement[k],
-                  workers=tuple(range((k * width) % g, (k * width) % g + width)),
+                  workers=tuple(range((position[k] * width) % g, (position[k] * width) % g + width)),
                   compute_ms=compute[k], forward_ms=forward[k],
-                  send_ms=sends[k] if k < num_stages - 1 else 0.0,
-                  memory_bytes=int(tables.memory(bounds[k], bounds[k + 1], num_stages - k, width)))
+                  send_ms=sends[k] if k < num_stages - 1 else 0.0, memory_bytes=int(memory[k]))
         for k in range(num_stages))
-    return PipelineTemplate(nodes=nodes, workers_per_node=g, stages=stages, microbatches=microbatches,
-                            iteration_ms=iteration_ms(compute, forward, sends, microbatches))
+    template = PipelineTemplate(nodes=nodes, workers_per_node=g, stages=stages, microbatches=microbatches,
+                                iteration_ms=0.0, virtual_stages=virtual_stages)
+    return replace(template, iteration_ms=template.iteration_ms_at(microbatches))
 
 
 def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int,
-                    microbatches: int) -> list[int] | None:
-    """The exact optimal split for S = nodes * G / width stages, or None if none fits memory."""
+                    microbatches: int, virtual_stages: int = 1) -> list[int] | None:
+    """The exact optimal split for S = v * nodes * G / width stages, or None if none fits
+    memory (with v > 1 each stage gets 1/v of a worker's budget)."""
     num_layers = tables.num_layers
     g = cluster.workers_per_node
-    num_stages = nodes * g // width
+    positions = nodes * g // width
+    num_stages = positions * virtual_stages
     if num_stages > num_layers:
         return None
     compute = tables.compute / width
     forward = tables.forward / width
     below = tables.below[None, :] / width
-    budget = cluster.memory_per_worker * width
+    budget = cluster.memory_per_worker * width / virtual_stages
     big_m = microbatches * compute
     value = np.full(num_layers + 1, np.inf)
     choices: list[np.ndarray] = []
@@ -148,7 +222,7 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
             cost = np.where(fits[:, num_layers], big_m[:, num_layers], np.inf)
             choice = np.full(num_layers + 1, num_layers)
         else:
-            cross = (j * width) // g != ((j + 1) * width) // g
+            cross = ((j % positions) * width) // g != (((j + 1) % positions) * width) // g
             send = 2 * tables.send_ms[cross][None, :]
             bubble = np.maximum(0.0, below + send - (num_stages - j - 1) * forward)
             total = np.maximum(big_m + bubble, compute + send + value[None, :])
@@ -166,27 +240,34 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
 
 
 def plan_template(profile: ModelProfile, cluster: Cluster, nodes: int, microbatches: int, *,
-                  wide: bool = False, tables: CostTables | None = None) -> PipelineTemplate | None:
+                  wide: bool = False, tables: CostTables | None = None,
+                  virtual_stages: int = 1) -> PipelineTemplate | None:
     """The optimal template for `nodes` nodes, or None when no split fits."""
+    if wide and virtual_stages > 1:
+        raise ValueError("wide templates and interleaved (virtual_stages > 1) cannot be combined")
     tables = tables or CostTables(profile, cluster)
     g = cluster.workers_per_node
     widths = [w for w in range(1, g + 1) if g % w == 0] if wide else [1]
     best: PipelineTemplate | None = None
     for width in widths:
-        bounds = _optimal_bounds(tables, cluster, nodes, width, microbatches)
+        bounds = _optimal_bounds(tables, cluster, nodes, width, microbatches, virtual_stages)
         if bounds is None:
             continue
-        candidate = template_from_bounds(profile, cluster, nodes, bounds, microbatches)
+        candidate = template_from_bounds(profile, cluster, nodes, bounds, microbatches, virtual_stages)
+        if any(s.memory_bytes > cluster.memory_per_worker for s in candidate.stages):
+            continue  # interleaving's extra in-flight activations do not fit
         if best is None or candidate.iteration_ms < best.iteration_ms:
             best = candidate
     return best
 
 
-def _why_infeasible(profile: ModelProfile, cluster: Cluster, nodes: int, wide: bool) -> str:
-    stages = nodes if wide else nodes * cluster.workers_per_node
+def _why_infeasible(profile: ModelProfile, cluster: Cluster, nodes: int, wide: bool,
+                    virtual_stages: int = 1) -> str:
+    stages = nodes if wide else nodes * cluster.workers_per_node * virtual_stages
     if stages > profile.num_layers:
         return (f"{stages} stages needed but the model has only {profile.num_layers} layers"
-                + ("" if wide else "; --wide lets stages span workers"))
+                + (f" ({virtual_stages} stages per worker)" if virtual_stages > 1 else "")
+                + ("" if wide or virtual_stages > 1 else "; --wide lets stages span workers"))
     return "no split fits the per-worker memory budget"
 
 
@@ -206,8 +287,9 @@ def _coverage(sizes: Sequence[int], lo: int, hi: int, min_pipelines: int) -> lis
 
 
 def plan_templates(profile: ModelProfile, cluster: Cluster, *, max_nodes: int, fault_tolerance: int,
-                   total_microbatches: int, wide: bool = False) -> TemplateSet:
-    """Templates for every node count in [n0, N - f*n0], capped where none is feasible."""
+                   total_microbatches: int, wide: bool = False, virtual_stages: int = 1) -> TemplateSet:
+    """Templates for every node count in [n0, N - f*n0], capped where none is feasible;
+    virtual_stages > 1 plans interleaved templates (see the module docstring)."""
     from oobleck_elastic.errors import PlanningError
 
     tables = CostTables(profile, cluster)
@@ -215,28 +297,28 @@ def plan_templates(profile: ModelProfile, cluster: Cluster, *, max_nodes: int, f
     infeasible: dict[int, str] = {}
     n0 = None
     n = 1
-    stage_cap = profile.num_layers if wide else profile.num_layers // cluster.workers_per_node
+    stage_cap = profile.num_layers if wide else profile.num_layers // (cluster.workers_per_node * virtual_stages)
     while n <= max_nodes and (n0 is None or n <= max_nodes - fault_tolerance * n0):
         if n > stage_cap:
             if n0 is not None:
-                infeasible[n] = _why_infeasible(profile, cluster, n, wide)
+                infeasible[n] = _why_infeasible(profile, cluster, n, wide, virtual_stages)
                 upper = max_nodes - fault_tolerance * n0
                 if upper > n:
                     infeasible[n] = f"{n}..{upper} nodes: " + infeasible[n]
             break
         template = plan_template(profile, cluster, n,
                                  nominal_microbatches(total_microbatches, n, max_nodes),
-                                 wide=wide, tables=tables)
+                                 wide=wide, tables=tables, virtual_stages=virtual_stages)
         if template is not None:
             templates[n] = template
             n0 = n0 or n
         elif n0 is not None:
-            infeasible[n] = _why_infeasible(profile, cluster, n, wide)
+            infeasible[n] = _why_infeasible(profile, cluster, n, wide, virtual_stages)
         n += 1
     if n0 is None:
         raise PlanningError(
             f"no pipeline of 1..{min(max_nodes, max(stage_cap, 1))} node(s) fits: "
-            + _why_infeasible(profile, cluster, min(max_nodes, max(stage_cap, 1)), wide)
+            + _why_infeasible(profile, cluster, min(max_nodes, max(stage_cap, 1)), wide, virtual_stages)
             + f" (memory_per_worker = {cluster.memory_per_worker / 2**30:.2f} GiB); "
             "add nodes, raise planner.memory_per_worker or use a smaller microbatch")
     if max_nodes < (fault_tolerance + 1) * n0:

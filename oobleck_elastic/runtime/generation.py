@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.layers import LayerStore
@@ -28,7 +28,8 @@ __all__ = ["Generation", "StageModule"]
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
+MULTI_STAGE = {"Interleaved1F1B"}
 
 
 def _no_fault(phase: str) -> None:
@@ -82,7 +83,8 @@ class Generation:
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self.grad_groups.append((group, layer_ids))
-        self.stage = None
+        self.stages: list[PipelineStage] = []
+        self.stage_modules: list[StageModule] = []
         self.schedule = None
         self._loss_fn = loss_fn
         self._schedule_name = schedule
@@ -95,17 +97,37 @@ class Generation:
         return [sets[p] for p in sorted(sets)]
 
     def build_schedule(self) -> None:
-        """Builds this worker's stage and schedule once its layers are in place."""
+        """Builds this worker's stages and schedule once its layers are in place.
+
+        Note: [stage to rank]
+            new_group sorts its ranks, so a pipeline's group ranks follow global rank order,
+            not stage order. Single-stage schedules take an explicit stage -> group rank map.
+            ScheduleInterleaved1F1B computes its action lists with "rank" meaning the worker
+            position p (stages p, p + P, ...) and only resolves peers through the map at run
+            time, so it is built with the position as its rank and then given the real map.
+        """
         role = self.role
-        modules = [self.layers[i].module for i in range(*role.layers)]
-        self.stage_module = StageModule(modules, self._fault)
-        self.stage = PipelineStage(self.stage_module, role.stage, role.num_stages,
-                                   self.layers.device, group=self.pipeline_group)
-        # new_group sorts its ranks: map each stage to its group rank explicitly.
-        sorted_ranks = sorted(role.stage_ranks)
-        self.stage.stage_index_to_group_rank = {k: sorted_ranks.index(r) for k, r in enumerate(role.stage_ranks)}
-        self.schedule = SCHEDULES[self._schedule_name](self.stage, n_microbatches=role.microbatches,
-                                                       loss_fn=self._loss_fn, scale_grads=False)
+        sorted_ranks = sorted(set(role.stage_ranks))
+        to_group_rank = {k: sorted_ranks.index(r) for k, r in enumerate(role.stage_ranks)}
+        self.stage_modules = [StageModule([self.layers[i].module for i in range(*layers)], self._fault)
+                              for layers in role.stage_layers]
+        self.stages = [PipelineStage(module, k, role.num_stages, self.layers.device, group=self.pipeline_group)
+                       for module, k in zip(self.stage_modules, role.stages)]
+        kind = SCHEDULES[self._schedule_name]
+        if self._schedule_name in MULTI_STAGE:
+            for stage in self.stages:
+                stage.group_rank = role.position
+            self.schedule = kind(self.stages, n_microbatches=role.microbatches, loss_fn=self._loss_fn,
+                                 scale_grads=False)
+            for stage in self.stages:
+                stage.group_rank = to_group_rank[stage.stage_index]
+            self.schedule.rank = role.position
+            self.schedule.stage_index_to_group_rank = to_group_rank
+        else:
+            self.schedule = kind(self.stages[0], n_microbatches=role.microbatches, loss_fn=self._loss_fn,
+                                 scale_grads=False)
+        for stage in self.stages:
+            stage.stage_index_to_group_rank = to_group_rank
 
     def forward_backward(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[float, int]:
         """Runs the schedule on this pipeline's slice; returns (summed loss, samples) counted
@@ -142,8 +164,8 @@ class Generation:
         dist.all_reduce(stats)
         return float(stats[0]), int(round(float(stats[1]))), float(stats[2])
 
-    def held_layers(self) -> range:
-        return range(*self.role.layers) if self.role else range(0)
+    def held_layers(self) -> tuple[int, ...]:
+        return self.role.layer_ids if self.role else ()
 
     def close(self) -> None:
         """Drops every reference to this generation's groups and destroys them."""
@@ -151,8 +173,8 @@ class Generation:
             return
         self._closed = True
         self.schedule = None
-        self.stage = None
-        self.stage_module = None
+        self.stages = []
+        self.stage_modules = []
         self.pipeline_group = None
         self.grad_groups = []
         try:

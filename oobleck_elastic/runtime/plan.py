@@ -18,12 +18,15 @@ __all__ = ["GenerationPlan", "StageRole"]
 
 @dataclass(frozen=True, kw_only=True)
 class StageRole:
-    """A worker's part in its pipeline."""
+    """A worker's part in its pipeline: one stage, or several (stage k on position k mod
+    positions) under the interleaved schedule."""
 
     pipeline: int
-    stage: int
+    stages: tuple[int, ...]
+    """The stage indices this worker runs, ascending."""
+    stage_layers: tuple[tuple[int, int], ...]
+    """[start, end) layers of each of `stages`."""
     num_stages: int
-    layers: tuple[int, int]
     microbatches: int
     stage_ranks: tuple[int, ...]
     """Global rank of each stage of the pipeline, in stage order."""
@@ -32,11 +35,20 @@ class StageRole:
 
     @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        return self.stages[0] == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self.stages[-1] == self.num_stages - 1
+
+    @property
+    def position(self) -> int:
+        """This worker's place among the pipeline's workers (its first stage's index)."""
+        return self.stages[0]
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for start, end in self.stage_layers for i in range(start, end))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,9 +82,12 @@ class GenerationPlan:
             if template.width != 1:
                 raise ValueError("wide templates (stages spanning workers) are for dry runs only")
             ranks = tuple(self.rank_of(WorkerRef(pipe.nodes[s.node], s.workers[0])) for s in template.stages)
-            for k, s in enumerate(template.stages):
-                roles[ranks[k]] = StageRole(pipeline=p, stage=k, num_stages=len(ranks), layers=s.layers,
-                                            microbatches=pipe.microbatches, stage_ranks=ranks, samples=samples)
+            for rank in set(ranks):
+                mine = tuple(k for k, r in enumerate(ranks) if r == rank)
+                roles[rank] = StageRole(pipeline=p, stages=mine,
+                                        stage_layers=tuple(template.stages[k].layers for k in mine),
+                                        num_stages=len(ranks), microbatches=pipe.microbatches,
+                                        stage_ranks=ranks, samples=samples)
         return roles
 
     @cached_property
@@ -82,8 +97,7 @@ class GenerationPlan:
         rank follows, so overlapping collectives cannot deadlock)."""
         holders: dict[int, list[int]] = {}
         for rank in sorted(self.roles):
-            start, end = self.roles[rank].layers
-            for layer in range(start, end):
+            for layer in self.roles[rank].layer_ids:
                 holders.setdefault(layer, []).append(rank)
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer in sorted(holders):
@@ -96,6 +110,6 @@ class GenerationPlan:
         """One rank per layer (its replica in the first pipeline): counts it in the grad norm."""
         owner: dict[int, int] = {}
         for rank, role in sorted(self.roles.items(), key=lambda kv: (kv[1].pipeline, kv[0])):
-            for layer in range(*role.layers):
+            for layer in role.layer_ids:
                 owner.setdefault(layer, rank)
         return owner

@@ -22,7 +22,7 @@ from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime.checkpoint import restore_layers
 from oobleck_elastic.runtime.data import SampleOrder
-from oobleck_elastic.runtime.generation import SCHEDULES, Generation
+from oobleck_elastic.runtime.generation import Generation
 from oobleck_elastic.runtime.layers import LayerStore, lr_factor
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
@@ -36,9 +36,10 @@ logger = logging.getLogger(__name__)
 def check_supported(cfg: JobConfig) -> None:
     """Raises ConfigError for configurations the runtime cannot run (checked by the launcher
     before any worker starts, and again by each trainer)."""
-    if cfg.train.schedule not in SCHEDULES:
-        raise ConfigError(f"train.schedule {cfg.train.schedule!r} is not supported by the runtime yet "
-                          f"(it needs non-contiguous layer ranges per worker); use one of {sorted(SCHEDULES)}")
+    if cfg.planner.wide:
+        raise ConfigError("planner.wide plans stages that span several workers, which the runtime does "
+                          "not execute (it is for dry runs: python -m oobleck_elastic.plan --wide); "
+                          "set planner.wide=false to train")
 
 
 class Dataset(Protocol):
