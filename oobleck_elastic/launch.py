@@ -193,10 +193,13 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
                     start_node()
                     print(f"oobleck: starting one more node (agent {procs[-1].pid}); it joins when ready",
                           flush=True)
-            recovery = store.try_get_json(f"recovery/{generation + 1}")
-            if recovery:
-                generation += 1
-                print(_recovery_line(recovery), flush=True)
+            # One record per recovery, named by the generation it ended in (a recovery that
+            # spans several generations, after a failure during the recovery, has one record).
+            latest = (store.try_get_json("generation") or {}).get("generation", generation)
+            for g in range(generation + 1, latest + 1):
+                if recovery := store.try_get_json(f"recovery/{g}"):
+                    generation = g
+                    print(_recovery_line(recovery), flush=True)
             if len(dead) == len(procs):
                 break
             if store.try_get_json("done") is not None:

@@ -96,6 +96,9 @@ def test_kill_a_node_at_each_phase(tmp_path, failure_free, faults):
     # before the commit the step is replayed; after it (optimizer) survivors finished it
     assert [(r["lost"], r["step"]) for r in recoveries] == [
         ([n], k + 1 if p == "optimizer" else k) for n, k, p in faults]
+    for r in recoveries:  # every phase timed, detection from the kill the injector recorded
+        assert set(r["phases_s"]) == {"detect", "teardown", "agree", "reinit", "transfer", "rebuild", "replay"}
+        assert all(0 <= v < 60 for v in r["phases_s"].values()), r["phases_s"]
     steps = [r for r in log if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == list(range(STEPS)), "each step logged exactly once"
     assert all(r["samples"] == 64 for r in steps), "every sample of every step counted once"

@@ -5,8 +5,9 @@
 
 Phases: forward, backward, grad_sync, commit, optimizer, transfer, agreement. A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
-itself, like a machine dying: no cleanup, no goodbye. With OOBLECK_FAULT_LOG set, the time of
-each kill is appended there first (JSON lines).
+itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
+in the membership store (`faults/<node>`, so recovery records can time detection from the real
+failure) and, with OOBLECK_FAULT_LOG set, appends it there (JSON lines).
 """
 
 from __future__ import annotations
@@ -45,22 +46,25 @@ def parse_faults(text: str) -> list[Fault]:
 class FaultInjector:
     """Called by the runtime at each phase; kills this node when a fault matches."""
 
-    def __init__(self, node: int, faults: list[Fault]) -> None:
+    def __init__(self, node: int, faults: list[Fault], store=None) -> None:
         self.node = node
         self.faults = [f for f in faults if f.node == node]
+        self.store = store
         self.step = -1
 
     @classmethod
-    def from_environ(cls, node: int) -> FaultInjector:
-        return cls(node, parse_faults(os.environ.get("OOBLECK_FAULT", "")))
+    def from_environ(cls, node: int, store=None) -> FaultInjector:
+        return cls(node, parse_faults(os.environ.get("OOBLECK_FAULT", "")), store)
 
     def __call__(self, phase: str) -> None:
         if any(f.step == self.step and f.phase == phase for f in self.faults):
+            record = {"time": time.time(), "node": self.node, "step": self.step, "phase": phase}
+            if self.store is not None:
+                self.store.set_json(f"faults/{self.node}", record)
             log = os.environ.get("OOBLECK_FAULT_LOG")
             if log:  # when the kill happened, for benchmarks/recovery.py
                 with open(log, "a") as f:
-                    f.write(json.dumps({"time": time.time(), "node": self.node, "step": self.step,
-                                        "phase": phase}) + "\n")
+                    f.write(json.dumps(record) + "\n")
             self.kill_node()
 
     @staticmethod

@@ -82,6 +82,16 @@ class LeaseWatcher:
                 out.add(node)
         return out
 
+    def failed_at(self, node: int) -> float | None:
+        """Wall time of the first sign of `node`'s failure: a fault injector's record of the
+        kill, else when it was marked dead, else its last observed lease renewal."""
+        for key in (f"faults/{node}", f"nodes/{node}/dead"):
+            if (record := self.store.try_get_json(key)) is not None:
+                return record.get("time", record.get("at"))
+        if node in self._seen:
+            return time.time() - (time.monotonic() - self._seen[node][1])
+        return None
+
 
 def ready_joiners(store: MembershipStore, members: Iterable[int]) -> list[int]:
     """Registered nodes, not members and not dead, whose workers are ready to be admitted."""

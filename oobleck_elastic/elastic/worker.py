@@ -148,6 +148,7 @@ class _Run:
         self.records: dict[int, dict] = {}
         self.last_transfers: list = []
         self.failed_at: float | None = None
+        self.pending_recovery: dict | None = None
 
     def start(self) -> None:
         record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
@@ -239,6 +240,7 @@ class _Run:
         joiners = commit_step(self.store, plan.generation, computed.stats.step, len(plan.members),
                               plan.instantiation.nodes, self.watcher, self.cfg.elastic.agreement_timeout_s)
         if self.sink:
+            self._flush_recovery(replay_s=computed.stats.seconds)
             rec = _step_record(computed.stats, plan, self.cfg)
             self.sink.write(rec)
             self.store.set_json("progress", rec)
@@ -287,6 +289,8 @@ class _Run:
         """Agrees on the next generation and rebuilds into it (Note: [roll call]); repeats while
         nodes keep failing during the recovery itself."""
         started = started or time.perf_counter()
+        if self.sink:
+            self._flush_recovery()  # a failure before the last recovery's replay finished
         first_generation = self.plan.generation if first_generation is None else first_generation
         phases = phases if phases is not None else {}
         while cause is not None:
@@ -294,20 +298,35 @@ class _Run:
         self._report(first_generation, phases, started)
 
     def _report(self, first_generation: int, phases: dict[str, float], started: float) -> None:
-        """One recovery record: the change from `first_generation` to the current one."""
+        """One recovery record: the change from `first_generation` to the current one. It is
+        written once the first step of the new generation (the replay) completes, so it can
+        carry that step's time; `_flush_recovery` writes it without when no step follows."""
         if not self.sink:
             return
         before = set(self._instantiation(first_generation).nodes)
         after = set(self.plan.instantiation.nodes)
         record = self.records[self.plan.generation]
-        rec = {"event": "recovery", "generation": self.plan.generation, "from_generation": first_generation,
-               "restored_from": record.get("restored_from"),
-               "cause": record["cause"], "lost": sorted(before - after), "joined": sorted(after - before),
-               "step": self.plan.start_step, "actions": record.get("actions", []),
-               "bytes_moved": sum(t.bytes for t in self.last_transfers), "transfers": len(self.last_transfers),
-               "phases_s": phases, "total_s": time.perf_counter() - started, "failed_at": self.failed_at}
+        lost = sorted(before - after)
+        if self.failed_at is not None and lost:
+            known = [t for t in map(self.watcher.failed_at, lost) if t is not None]
+            if known:  # detection: from the first sign of failure to this worker's step failing
+                phases = {"detect": max(0.0, self.failed_at - min(known)), **phases}
+        self.pending_recovery = {
+            "event": "recovery", "generation": self.plan.generation, "from_generation": first_generation,
+            "restored_from": record.get("restored_from"),
+            "cause": record["cause"], "lost": lost, "joined": sorted(after - before),
+            "step": self.plan.start_step, "actions": record.get("actions", []),
+            "bytes_moved": sum(t.bytes for t in self.last_transfers), "transfers": len(self.last_transfers),
+            "phases_s": phases, "total_s": time.perf_counter() - started, "failed_at": self.failed_at}
+
+    def _flush_recovery(self, replay_s: float | None = None) -> None:
+        rec, self.pending_recovery = self.pending_recovery, None
+        if rec is None:
+            return
+        if replay_s is not None:
+            rec["phases_s"]["replay"] = replay_s
         self.sink.write(rec)
-        self.store.set_json(f"recovery/{self.plan.generation}", rec)
+        self.store.set_json(f"recovery/{rec['generation']}", rec)
 
     def _recover_once(self, cause: str, phases: dict[str, float]) -> str | None:
         t0 = time.perf_counter()
@@ -400,6 +419,7 @@ class _Run:
                 self.recover(cause)
         sums, norms = self.trainer.layer_summaries()
         if self.sink:
+            self._flush_recovery()
             self.sink.write({"event": "final", "steps": self.trainer.completed_steps, "param_sums": sums,
                              "param_norms": norms})
             self.store.set_json("done", {"steps": self.trainer.completed_steps})
@@ -425,9 +445,10 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
             cfg = dataclasses.replace(cfg, fault_tolerance=0)
     else:
         _watch_parent()
-        fault = FaultInjector.from_environ(env.node)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     store = EmbeddedStore(env.store_host, env.store_port, env.run_id, timeout=cfg.elastic.join_timeout_s)
+    if local_server is None:
+        fault = FaultInjector.from_environ(env.node, store)
     run = _Run(model, dataset, cfg, env, store, fault)
     try:
         run.run()
