@@ -268,6 +268,9 @@ def _why_infeasible(profile: ModelProfile, cluster: Cluster, nodes: int, wide: b
         return (f"{stages} stages needed but the model has only {profile.num_layers} layers"
                 + (f" ({virtual_stages} stages per worker)" if virtual_stages > 1 else "")
                 + ("" if wide or virtual_stages > 1 else "; --wide lets stages span workers"))
+    if virtual_stages > 1:
+        return (f"no split fits the per-worker memory budget ({virtual_stages} stages per worker: "
+                "interleaving keeps more activations in flight than 1F1B)")
     return "no split fits the per-worker memory budget"
 
 
