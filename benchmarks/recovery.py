@@ -2,15 +2,33 @@
 
     python benchmarks/recovery.py [--nodes 5] [--kill-step 17] [--steps 30]
 
-Runs the GPT example twice on local nodes (one agent process group each): once with
-`python -m oobleck_elastic.launch` (a node SIGKILLed by OOBLECK_FAULT at --kill-step), once
-data-parallel under stock `torchrun` (c10d rendezvous, --nnodes N, --max-restarts=3, a
-checkpoint every 5 steps; benchmarks/torchrun_baseline.py) with the same node killed at the
-same step and started again at once (a cluster manager replacing the machine: torchrun's best
-case, since it restarts every worker and needs a full group). For each it prints the time from the kill to the first step completed afterwards
-and the steps of work lost (re-executed beyond the interrupted one), and the ratio. For ours it
-also prints the recovery's phases and the transfer throughput beside a raw gloo send/recv of
-the same number of bytes measured here.
+Runs the GPT example twice on local nodes, each node an agent and its worker: once with
+`python -m oobleck_elastic.launch` (node 1 SIGKILLed by OOBLECK_FAULT at --kill-step), once
+data-parallel under stock torchrun (benchmarks/torchrun_baseline.py, a checkpoint every 5 steps)
+with node 1 SIGKILLed, agent and worker, at the same step. For each it prints the time from the
+kill to the first step completed afterwards, the steps of work lost (re-executed beyond the
+interrupted one) and the ratio. For ours it also prints the recovery's phases and the transfer
+throughput beside a raw gloo send/recv of the same number of bytes measured here.
+
+torchrun runs as its docs' fault-tolerant job: `--nnodes=N --max-restarts=3 --rdzv-backend=c10d`,
+the dead node started again at once (a cluster manager replacing the machine at no cost: its
+best case, since it restarts every worker and needs the full group back). Three settings make
+it recover at all, or within seconds, on torch 2.13:
+
+* TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. By default the agents share the rank-0 agent's TCPStore
+  with the workers, and dynamic_rendezvous.DynamicRendezvousHandler.next_rendezvous builds that
+  store's address (RendezvousStoreInfo.build: rank 0 publishes MASTER_ADDR/PORT under the round's
+  key prefix) only in an agent's first round. The surviving rank 0 never publishes it again, so
+  the replacement node waits for .../<round>/MASTER_ADDR until the 60 s store timeout; and the
+  restarted workers of later rounds reuse the same store and key names, reading the gloo
+  addresses of the dead workers (connectFullMesh: connection refused). Off, each round's rank-0
+  worker hosts a fresh store (pytorch/pytorch#135712).
+* is_host=1 on node 0 only: every agent here matches 127.0.0.1 as its own address
+  (utils._matches_machine_hostname), so whichever bound the port first would host the
+  rendezvous store; on a real cluster only the endpoint's machine does, which this pins.
+* keep_alive_interval=1, keep_alive_max_attempt=3: a round moves on only once every participant
+  of the last one has left it, and the SIGKILLed agent leaves only when its heartbeat expires
+  (15 s by default).
 """
 
 from __future__ import annotations
@@ -20,14 +38,18 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+import psutil
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples/gpt/config.yaml")
+KILLED = 1  # the node SIGKILLed on both sides; neither side's stores live on it
 
 
 def _records(path):
@@ -41,26 +63,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process below it, then reap it. Both launchers start their
+    children in sessions of their own, so a process group does not reach them; each process is
+    stopped before its children are listed, so none can start another one meanwhile."""
+    if proc.poll() is not None:  # exited and reaped: its pid may belong to another process now
+        return
+    found, todo = [], [proc.pid]
+    while todo:
+        try:
+            p = psutil.Process(todo.pop())
+            p.suspend()
+            todo += [c.pid for c in p.children()]
+            found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    for p in found:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
 def run_ours(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
     sets = ["--set", f"train.steps={steps}", "--set", "train.global_batch_size=60",
             "--set", f"monitoring.metrics_path={tmp}/ours/metrics.jsonl",
             "--set", f"monitoring.tensorboard_dir={tmp}/ours/tb", "--set", "checkpoint.interval=0"]
-    env = {**os.environ, "OOBLECK_FAULT": f"node=1,step={kill_step},phase=backward",
+    env = {**os.environ, "OOBLECK_FAULT": f"node={KILLED},step={kill_step},phase=backward",
            "OOBLECK_FAULT_LOG": f"{tmp}/ours/kill.jsonl"}
     os.makedirs(f"{tmp}/ours", exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", f"--oobleck-local-nodes={nodes}",
-                           "--nproc-per-node=1", f"--oobleck-log-dir={tmp}/ours/logs",
-                           os.path.join(ROOT, "examples/gpt/train.py"), "--config", CONFIG, *sets],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode:
-        raise SystemExit(f"oobleck run failed:\n{proc.stdout}\n{proc.stderr}")
+    with open(f"{tmp}/ours/launch.log", "w+") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch",
+                                 f"--oobleck-local-nodes={nodes}", "--nproc-per-node=1",
+                                 f"--oobleck-log-dir={tmp}/ours/logs",
+                                 os.path.join(ROOT, "examples/gpt/train.py"), "--config", CONFIG,
+                                 *sets],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=900)
+        finally:
+            _kill_tree(proc)  # after a timeout or an interrupt (the launcher stops its nodes)
+        out.seek(0)
+        if proc.returncode:
+            raise SystemExit(f"oobleck run failed:\n{out.read()}")
     kill = _records(f"{tmp}/ours/kill.jsonl")[0]
     log = _records(f"{tmp}/ours/metrics.jsonl")
     # the first step of the new generation (a step of the old one may finish just after the kill)
     after = [r for r in log if "step" in r and "event" not in r and r["time"] > kill["time"] and r["generation"] > 0]
     recovery = [r for r in log if r.get("event") == "recovery"][0]
-    phases = {"detect": recovery["failed_at"] - kill["time"], **recovery["phases_s"],
-              "replay": after[0]["step_time_s"]}
+    phases = recovery["phases_s"]  # detect (from the kill record) ... replay, timed by the workers
     return {"recover_s": after[0]["time"] - kill["time"], "lost_steps": kill["step"] - after[0]["step"],
             "recovery": recovery, "phases": phases}
 
@@ -69,61 +122,73 @@ def _records_or_empty(path):
     return _records(path) if os.path.exists(path) else []
 
 
-def run_torchrun(tmp: str, nodes: int, steps: int, kill_step: int, *, min_nodes: int | None = None,
-                 restart: bool = False, share_store: bool = True, killed: int = 1,
-                 rdzv_conf: str = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
-                 patience: float = 180.0) -> dict:
+def _errors(work: str) -> str:
+    """The distinct errors in the torchrun nodes' logs, past the "closed/reset by peer" of the
+    old workers, which the kill itself causes."""
+    errors = set()
+    for name in os.listdir(work):
+        if name.endswith(".log"):
+            with open(os.path.join(work, name)) as f:
+                errors |= {line.strip()[:150] for line in f
+                           if "Error: " in line and "by peer" not in line}
+    return " | ".join(sorted(errors)[:3]) or "no error logged"
+
+
+def run_torchrun(tmp: str, nodes: int, steps: int, kill_step: int, patience: float = 180.0) -> dict:
+    """Stock torchrun recovering from the same kill (its setup: the module docstring); it gets
+    `patience` seconds from the kill to complete a step."""
     work = f"{tmp}/torchrun"
     os.makedirs(work, exist_ok=True)
     port = _free_port()
     procs = []
-    env_extra = {} if share_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    flags = [f"--nnodes={nodes}", "--nproc-per-node=1", "--max-restarts=3",
+             "--monitor-interval=0.1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             "--rdzv-id=bench"]
+    conf = "join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3"
+    setup = (f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun {' '.join(flags)} "
+             f"--rdzv-conf=is_host=<node 0>,{conf}; node {KILLED} started again at once")
 
     def start(node: int) -> None:
-        env = {**os.environ, **env_extra, "BENCH_DIR": work, "BENCH_NODE": str(node), "OMP_NUM_THREADS": "1",
-               "BENCH_KILL": f"{killed},{kill_step}"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={min_nodes or nodes}:{nodes}",
-               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=bench", f"--rdzv-conf=is_host={int(node == 0)},{rdzv_conf}",
-               "--max-restarts=3", "--monitor-interval=0.1", os.path.join(ROOT, "benchmarks/torchrun_baseline.py"),
-               "--config", CONFIG, "--set", f"train.steps={steps}", "--set", "train.global_batch_size=60"]
-        log = open(f"{work}/node{node}-{len(procs)}.log", "w")  # noqa: SIM115
-        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True), log))
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+               "BENCH_DIR": work, "BENCH_NODE": str(node), "BENCH_KILL": f"{KILLED},{kill_step}"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", *flags,
+               f"--rdzv-conf=is_host={int(node == 0)},{conf}",
+               os.path.join(ROOT, "benchmarks/torchrun_baseline.py"),
+               "--config", CONFIG, "--set", f"train.steps={steps}",
+               "--set", "train.global_batch_size=60"]
+        with open(f"{work}/node{node}-{len(procs)}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
 
+    after = []
     try:
         for node in range(nodes):
             start(node)
         deadline = time.time() + 300
         while not os.path.exists(f"{work}/killed"):
-            if time.time() > deadline or all(p.poll() is not None for p, _ in procs):
-                raise RuntimeError("never reached the kill")
+            if time.time() > deadline or all(p.poll() is not None for p in procs):
+                raise SystemExit(f"torchrun never reached step {kill_step}: {_errors(work)}")
             time.sleep(0.05)
-        if restart:
-            procs[killed][0].wait(timeout=30)
-            start(killed)
-        kill = json.load(open(f"{work}/killed"))
+        procs[KILLED].wait(timeout=30)  # the worker SIGKILLs its agent, then itself
+        start(KILLED)  # the replacement machine
+        with open(f"{work}/killed") as f:
+            kill = json.load(f)
         deadline = time.time() + patience
-        after = []
-        while time.time() < deadline and not after:
-            after = [r for r in _records_or_empty(f"{work}/steps.jsonl") if r["started"] > kill["time"]]
+        while not after and time.time() < deadline:
             time.sleep(0.1)
+            # a step of a worker started after the kill (one of the old workers' steps may end
+            # just after it)
+            after = [r for r in _records_or_empty(f"{work}/steps.jsonl")
+                     if r["started"] > kill["time"]]
+        errors = None if after else _errors(work)  # now: stopping the nodes logs errors too
     finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-            log.close()
+        for proc in procs:
+            _kill_tree(proc)
     if not after:
-        errors = set()
-        for name in os.listdir(work):
-            if name.endswith(".log"):
-                with open(os.path.join(work, name)) as f:
-                    errors |= {line.strip()[:160] for line in f if "Error" in line}
-        return {"recover_s": None, "lost_steps": None,
-                "failure": f"no step completed within {patience:.0f} s of the kill: " + " | ".join(sorted(errors)[:6])}
-    return {"recover_s": after[0]["time"] - kill["time"], "lost_steps": kill["step"] - after[0]["step"],
-            "world": after[0]["world"]}
+        return {"recover_s": None, "lost_steps": None, "setup": setup,
+                "failure": f"no step within {patience:.0f} s of the kill: {errors}"}
+    return {"recover_s": after[0]["time"] - kill["time"], "setup": setup,
+            "lost_steps": kill["step"] - after[0]["step"], "resumed_at": after[0]["step"]}
 
 
 def _raw_gloo(rank: int, port: int, nbytes: int, queue) -> None:
@@ -153,9 +218,14 @@ def raw_transfer_seconds(nbytes: int) -> float:
     procs = [ctx.Process(target=_raw_gloo, args=(r, port, nbytes, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    times = [queue.get(timeout=120) for _ in range(3)]
-    for p in procs:
-        p.join(60)
+    try:
+        times = [queue.get(timeout=120) for _ in range(3)]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
     return min(times)
 
 
@@ -165,19 +235,24 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--kill-step", type=int, default=17)
     args = p.parse_args()
+    # `timeout` and the like send SIGTERM: exit through the finally clauses that stop the nodes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_ours(tmp, args.nodes, args.steps, args.kill_step)
         base = run_torchrun(tmp, args.nodes, args.steps, args.kill_step)
     rec = ours["recovery"]
-    print(f"{args.nodes} local nodes, GPT example, a node SIGKILLed at step {args.kill_step} (0-based)")
+    print(f"{args.nodes} local nodes, GPT example, node {KILLED} SIGKILLed (agent and worker) at step "
+          f"{args.kill_step} (0-based)")
     print(f"  oobleck_elastic: kill -> next completed step {ours['recover_s']:6.2f} s, steps lost "
           f"{ours['lost_steps']} (the interrupted step is replayed)")
     if base["recover_s"] is None:
         print(f"  stock torchrun:  did not recover: {base['failure']}")
     else:
         print(f"  stock torchrun:  kill -> next completed step {base['recover_s']:6.2f} s, steps lost "
-              f"{base['lost_steps']} (restart of every worker, checkpoint every 5 steps)")
+              f"{base['lost_steps']} (every worker restarted from the checkpoint of step "
+              f"{base['resumed_at']})")
         print(f"  ratio torchrun/oobleck: {base['recover_s'] / ours['recover_s']:.1f}x (goal >= 10x, ours < 1 s)")
+    print(f"  torchrun setup: {base['setup']}")
     print("  our recovery phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in ours["phases"].items())
           + f"; {rec['transfers']} layer copies, {rec['bytes_moved']} bytes; " + "; ".join(rec["actions"]))
     if rec["bytes_moved"]:

@@ -6,14 +6,13 @@ the behaviour oobleck_elastic replaces.
 Each worker holds the whole model; the global batch is split over the ranks; gradients are
 all-reduced. Env: BENCH_DIR (checkpoints, step log), BENCH_KILL="node,step" (this node SIGKILLs
 itself, agent included, when it reaches that step), BENCH_NODE (this torchrun's node tag).
-Rank 0 logs every step to BENCH_DIR/steps.jsonl with the time its worker process started, so the
-benchmark can tell the steps of the restarted workers from a late step of the old ones.
+Rank 0 logs each step to BENCH_DIR/steps.jsonl with the time its worker process started, which
+tells the restarted workers' steps from a step of the old ones that ends just after the kill.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -32,18 +31,8 @@ from oobleck_elastic.runtime.data import SampleOrder  # noqa: E402
 from oobleck_elastic.runtime.model import materialize_layer  # noqa: E402
 
 
-def _die_with_agent() -> None:
-    """SIGKILL this worker when its torchrun agent dies: torchrun starts workers in sessions of
-    their own, so killing an agent's process group would leave its worker running."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-        if b"torch.distributed.run" not in f.read():  # the agent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def main() -> int:
     started = time.time()
-    _die_with_agent()
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--set", action="append", default=[])
@@ -90,7 +79,8 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         if rank == 0:
             with open(os.path.join(root, "steps.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "time": time.time(), "world": world, "started": started}) + "\n")
+                f.write(json.dumps({"step": step, "time": time.time(), "world": world,
+                                    "started": started}) + "\n")
             if (step + 1) % args.checkpoint_every == 0:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1},
                            ckpt + ".tmp")

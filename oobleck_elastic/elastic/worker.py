@@ -23,9 +23,7 @@ from oobleck_elastic.errors import LayersLostError, OobleckError
 from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import LeaseWatcher, StepAborted, commit_step, decide_abort, propose_generation, roll_call
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, host_store
-from oobleck_elastic.monitoring.layout import render_layout
-from oobleck_elastic.monitoring.metrics import JsonlSink, MetricsSink, MultiSink
-from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
+from oobleck_elastic.elastic.reporting import RunReport
 from oobleck_elastic.planning import (
     Instantiation,
     ModelProfile,
@@ -38,13 +36,12 @@ from oobleck_elastic.planning import (
     reconfigure,
 )
 from oobleck_elastic.planning.job import make_cluster
-from oobleck_elastic.planning.report import instantiation_table
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
 from oobleck_elastic.runtime.checkpoint import latest_checkpoint, mark_complete, save_layers
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.profiler import load_or_profile
-from oobleck_elastic.runtime.trainer import Dataset, StepStats, Trainer
+from oobleck_elastic.runtime.trainer import Dataset, Trainer
 
 __all__ = ["WorkerEnv", "run_worker"]
 
@@ -96,36 +93,6 @@ def _profile(store: MembershipStore, env: WorkerEnv, first_node: int, model: Mod
     return from_jsonable(ModelProfile, store.get_json("profile", cfg.elastic.join_timeout_s))
 
 
-def _sinks(cfg: JobConfig) -> MetricsSink:
-    return MultiSink([JsonlSink(cfg.monitoring.metrics_path), TensorBoardSink(cfg.monitoring.tensorboard_dir)])
-
-
-def _generation_record(plan: GenerationPlan, ts: TemplateSet, num_layers: int, cfg: JobConfig) -> dict:
-    rows = []
-    holders = layer_holders(plan.instantiation, ts)
-    pipe_of = {n: i for i, p in enumerate(plan.instantiation.pipelines) for n in p.nodes}
-    for worker, layers in sorted(holders.items(), key=lambda kv: (pipe_of[kv[0].node], kv[1])):
-        rows.append((pipe_of[worker.node], worker.node, worker.local_rank, layers))
-    inst = plan.instantiation
-    png = os.path.join(cfg.monitoring.tensorboard_dir, f"layout_generation_{plan.generation}.png")
-    with open(png, "wb") as f:
-        f.write(render_layout(rows, num_layers, f"gen {plan.generation}: {len(inst.pipelines)} pipelines, "
-                                                f"{len(inst.nodes)} nodes"))
-    return {"event": "generation", "generation": plan.generation, "start_step": plan.start_step,
-            "nodes": list(inst.nodes), "spares": list(inst.spares),
-            "pipelines": [{"nodes": list(p.nodes), "microbatches": p.microbatches} for p in inst.pipelines],
-            "table": instantiation_table(inst), "layout_png": png}
-
-
-def _step_record(stats: StepStats, plan: GenerationPlan, cfg: JobConfig) -> dict:
-    inst = plan.instantiation
-    return {"step": stats.step, "time": time.time(), "loss": stats.loss, "samples": stats.samples,
-            "samples_per_s": stats.samples / stats.seconds if stats.seconds else 0.0,
-            "step_time_s": stats.seconds, "grad_norm": stats.grad_norm, "generation": plan.generation,
-            "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
-            "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": cfg.train.steps}
-
-
 class _Run:
     """One worker's view of the run across generations: plans, trains, recovers.
 
@@ -143,13 +110,12 @@ class _Run:
         self.watcher = LeaseWatcher(store, cfg.elastic.lease_timeout_s)
         self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
                                fault=fault)
-        self.sink: MetricsSink | None = None
+        self.report: RunReport | None = None
         self.templates: TemplateSet | None = None
         self.plan: GenerationPlan | None = None
         self.records: dict[int, dict] = {}
         self.last_transfers: list = []
         self.failed_at: float | None = None
-        self.pending_recovery: dict | None = None
 
     def start(self) -> None:
         record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
@@ -216,10 +182,10 @@ class _Run:
         if cause:
             return cause
         self.trainer.settle()
-        if plan.rank_of(self.me) == 0 and self.sink is None:
-            self.sink = _sinks(self.cfg)
-        if self.sink:
-            self.sink.write(_generation_record(plan, self.templates, self.model.num_layers, self.cfg))
+        if plan.rank_of(self.me) == 0 and self.report is None:
+            self.report = RunReport(self.cfg, self.store, self.model.num_layers)
+        if self.report:
+            self.report.generation(plan, self.templates)
         return None
 
     def _built_barrier(self, plan: GenerationPlan) -> None:
@@ -247,11 +213,8 @@ class _Run:
             self.fault("commit")
         joiners = commit_step(self.store, plan.generation, computed.stats.step, len(plan.members),
                               plan.instantiation.nodes, self.watcher, self.cfg.elastic.agreement_timeout_s)
-        if self.sink:
-            self._flush_recovery(replay_s=computed.stats.seconds)
-            rec = _step_record(computed.stats, plan, self.cfg)
-            self.sink.write(rec)
-            self.store.set_json("progress", rec)
+        if self.report:
+            self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
         self._maybe_checkpoint()
         if joiners:
@@ -297,8 +260,8 @@ class _Run:
         """Agrees on the next generation and rebuilds into it (Note: [roll call]); repeats while
         nodes keep failing during the recovery itself."""
         started = started or time.perf_counter()
-        if self.sink:
-            self._flush_recovery()  # a failure before the last recovery's replay finished
+        if self.report:
+            self.report.flush_recovery()  # a failure before the last recovery's replay finished
         first_generation = self.plan.generation if first_generation is None else first_generation
         phases = phases if phases is not None else {}
         while cause is not None:
@@ -306,35 +269,16 @@ class _Run:
         self._report(first_generation, phases, started)
 
     def _report(self, first_generation: int, phases: dict[str, float], started: float) -> None:
-        """One recovery record: the change from `first_generation` to the current one. It is
-        written once the first step of the new generation (the replay) completes, so it can
-        carry that step's time; `_flush_recovery` writes it without when no step follows."""
-        if not self.sink:
+        """Hands the reporter the change from `first_generation` to the current generation."""
+        if not self.report:
             return
         before = set(self._instantiation(first_generation).nodes)
-        after = set(self.plan.instantiation.nodes)
-        record = self.records[self.plan.generation]
-        lost = sorted(before - after)
-        if self.failed_at is not None and lost:
-            known = [t for t in map(self.watcher.failed_at, lost) if t is not None]
-            if known:  # detection: from the first sign of failure to this worker's step failing
-                phases = {"detect": max(0.0, self.failed_at - min(known)), **phases}
-        self.pending_recovery = {
-            "event": "recovery", "generation": self.plan.generation, "from_generation": first_generation,
-            "restored_from": record.get("restored_from"),
-            "cause": record["cause"], "lost": lost, "joined": sorted(after - before),
-            "step": self.plan.start_step, "actions": record.get("actions", []),
-            "bytes_moved": sum(t.bytes for t in self.last_transfers), "transfers": len(self.last_transfers),
-            "phases_s": phases, "total_s": time.perf_counter() - started, "failed_at": self.failed_at}
-
-    def _flush_recovery(self, replay_s: float | None = None) -> None:
-        rec, self.pending_recovery = self.pending_recovery, None
-        if rec is None:
-            return
-        if replay_s is not None:
-            rec["phases_s"]["replay"] = replay_s
-        self.sink.write(rec)
-        self.store.set_json(f"recovery/{rec['generation']}", rec)
+        lost = before - set(self.plan.instantiation.nodes)
+        signs = [t for t in map(self.watcher.failed_at, sorted(lost)) if t is not None]
+        self.report.recovery(plan=self.plan, record=self.records[self.plan.generation],
+                             first_generation=first_generation, before=before, transfers=self.last_transfers,
+                             phases=phases, total_s=time.perf_counter() - started, failed_at=self.failed_at,
+                             first_failure=min(signs) if signs else None)
 
     def _recover_once(self, cause: str, phases: dict[str, float]) -> str | None:
         t0 = time.perf_counter()
@@ -426,16 +370,13 @@ class _Run:
                                self.me.local_rank, self.trainer.completed_steps, cause)
                 self.recover(cause)
         sums, norms = self.trainer.layer_summaries()
-        if self.sink:
-            self._flush_recovery()
-            self.sink.write({"event": "final", "steps": self.trainer.completed_steps, "param_sums": sums,
-                             "param_norms": norms})
-            self.store.set_json("done", {"steps": self.trainer.completed_steps})
+        if self.report:
+            self.report.final(self.trainer.completed_steps, sums, norms)
 
     def close(self) -> None:
         self.trainer.close()
-        if self.sink:
-            self.sink.close()
+        if self.report:
+            self.report.close()
 
 
 def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv | None = None) -> None:

@@ -1,0 +1,95 @@
+"""What a run reports: generation, step, recovery and final records, written by the worker
+that is global rank 0 to the metrics log and TensorBoard, and mirrored in the membership store
+for the launcher (`progress`, `recovery/<g>`, `done`).
+
+A recovery record waits for the first step of the new generation (the replayed one) so that
+it can carry that step's time; `flush_recovery()` writes it without when no step follows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from oobleck_elastic.config import JobConfig
+from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.monitoring.layout import render_layout
+from oobleck_elastic.monitoring.metrics import JsonlSink, MultiSink
+from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
+from oobleck_elastic.planning import TemplateSet, layer_holders
+from oobleck_elastic.planning.report import instantiation_table
+from oobleck_elastic.runtime.plan import GenerationPlan
+from oobleck_elastic.runtime.trainer import StepStats
+
+__all__ = ["RunReport"]
+
+
+class RunReport:
+    """The metrics sinks of the reporting worker and its pending recovery record."""
+
+    def __init__(self, cfg: JobConfig, store: MembershipStore, num_layers: int) -> None:
+        self.cfg, self.store, self.num_layers = cfg, store, num_layers
+        self.sink = MultiSink([JsonlSink(cfg.monitoring.metrics_path),
+                               TensorBoardSink(cfg.monitoring.tensorboard_dir)])
+        self.pending_recovery: dict | None = None
+
+    def generation(self, plan: GenerationPlan, templates: TemplateSet) -> None:
+        """The plan of a generation, with its layout drawn to a PNG next to the logs."""
+        inst = plan.instantiation
+        pipe_of = {n: i for i, p in enumerate(inst.pipelines) for n in p.nodes}
+        holders = sorted(layer_holders(inst, templates).items(), key=lambda kv: (pipe_of[kv[0].node], kv[1]))
+        rows = [(pipe_of[worker.node], worker.node, worker.local_rank, layers) for worker, layers in holders]
+        png = os.path.join(self.cfg.monitoring.tensorboard_dir, f"layout_generation_{plan.generation}.png")
+        with open(png, "wb") as f:
+            f.write(render_layout(rows, self.num_layers, f"gen {plan.generation}: {len(inst.pipelines)} "
+                                                         f"pipelines, {len(inst.nodes)} nodes"))
+        self.sink.write({
+            "event": "generation", "generation": plan.generation, "start_step": plan.start_step,
+            "nodes": list(inst.nodes), "spares": list(inst.spares),
+            "pipelines": [{"nodes": list(p.nodes), "microbatches": p.microbatches} for p in inst.pipelines],
+            "table": instantiation_table(inst), "layout_png": png})
+
+    def step(self, stats: StepStats, plan: GenerationPlan) -> None:
+        self.flush_recovery(replay_s=stats.seconds)
+        inst = plan.instantiation
+        rec = {"step": stats.step, "time": time.time(), "loss": stats.loss, "samples": stats.samples,
+               "samples_per_s": stats.samples / stats.seconds if stats.seconds else 0.0,
+               "step_time_s": stats.seconds, "grad_norm": stats.grad_norm, "generation": plan.generation,
+               "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
+               "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": self.cfg.train.steps}
+        self.sink.write(rec)
+        self.store.set_json("progress", rec)
+
+    def recovery(self, *, plan: GenerationPlan, record: dict, first_generation: int, before: set[int],
+                 transfers: list, phases: dict[str, float], total_s: float, failed_at: float | None,
+                 first_failure: float | None) -> None:
+        """Holds the record of a change from `first_generation` (members `before`) to `plan`.
+        `first_failure` is the wall time of the first sign of the lost nodes' failure."""
+        after = set(plan.instantiation.nodes)
+        if failed_at is not None and first_failure is not None:
+            # detection: from the first sign of the failure to this worker's step failing
+            phases = {"detect": max(0.0, failed_at - first_failure), **phases}
+        self.pending_recovery = {
+            "event": "recovery", "generation": plan.generation, "from_generation": first_generation,
+            "restored_from": record.get("restored_from"),
+            "cause": record["cause"], "lost": sorted(before - after), "joined": sorted(after - before),
+            "step": plan.start_step, "actions": record.get("actions", []),
+            "bytes_moved": sum(t.bytes for t in transfers), "transfers": len(transfers),
+            "phases_s": phases, "total_s": total_s, "failed_at": failed_at}
+
+    def flush_recovery(self, replay_s: float | None = None) -> None:
+        rec, self.pending_recovery = self.pending_recovery, None
+        if rec is None:
+            return
+        if replay_s is not None:
+            rec["phases_s"]["replay"] = replay_s
+        self.sink.write(rec)
+        self.store.set_json(f"recovery/{rec['generation']}", rec)
+
+    def final(self, steps: int, sums: list[float], norms: list[float]) -> None:
+        self.flush_recovery()
+        self.sink.write({"event": "final", "steps": steps, "param_sums": sums, "param_norms": norms})
+        self.store.set_json("done", {"steps": steps})
+
+    def close(self) -> None:
+        self.sink.close()
