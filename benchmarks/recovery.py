@@ -113,7 +113,9 @@ def run_ours(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
     # the first step of the new generation (a step of the old one may finish just after the kill)
     after = [r for r in log if "step" in r and "event" not in r and r["time"] > kill["time"] and r["generation"] > 0]
     recovery = [r for r in log if r.get("event") == "recovery"][0]
-    phases = recovery["phases_s"]  # detect (from the kill record) ... replay, timed by the workers
+    order = ["detect", "teardown", "agree", "reinit", "transfer", "rebuild", "replay"]
+    phases = dict(sorted(recovery["phases_s"].items(),  # timed by the workers
+                         key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
     return {"recover_s": after[0]["time"] - kill["time"], "lost_steps": kill["step"] - after[0]["step"],
             "recovery": recovery, "phases": phases}
 
