@@ -1,8 +1,18 @@
-"""The `oobleck` rendezvous: nodes register in the membership store and get node ids.
+"""The `oobleck` rendezvous: nodes register in the membership store, get node ids, keep a
+heartbeat lease, and tell their workers where the run lives.
 
-The handler admits nodes into the live membership itself and reports no waiting nodes, so
-torch's agent never restarts healthy workers because of a membership change (DESIGN.md,
-torchrun). torchrun finds it through the `torchrun.handlers` entry point (`create_handler`).
+Membership is ours, not torch's: the handler admits nodes into the live membership itself and
+reports no waiting nodes, so torch's agent never restarts healthy workers because of a
+membership change (DESIGN.md, torchrun). torch's own per-agent bookkeeping (rank assignment,
+the exit barrier) gets a private store prefix per node and a world of one, so no agent ever
+waits for another one, dead or alive. Workers find the run through `OOBLECK_STORE`,
+`OOBLECK_RUN_ID` and `OOBLECK_NODE_ID`, set here in the agent's environment, which torch
+copies into every worker it starts; that makes stock torchrun and our launcher alike:
+
+    torchrun --rdzv-backend=oobleck --rdzv-endpoint=HOST:29400 --nnodes=4 ... train.py
+    torchrun --rdzv-backend=oobleck --rdzv-endpoint=ETCD:2379 --rdzv-conf=store=etcd ...
+
+torchrun finds the handler through the `torchrun.handlers` entry point (`handler_entry_point`).
 """
 
 from __future__ import annotations
@@ -21,20 +31,28 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from oobleck_elastic.elastic.store import EmbeddedStore
+from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, mark_dead
+from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreUnreachable
 
-__all__ = ["OobleckRendezvousHandler", "create_handler", "handler_entry_point"]
+__all__ = ["OobleckRendezvousHandler", "create_handler", "handler_entry_point", "open_store"]
 
 logger = logging.getLogger(__name__)
 
+STORES = ("embedded", "etcd")
+
 
 class OobleckRendezvousHandler(RendezvousHandler):
-    def __init__(self, store: EmbeddedStore, *, min_nodes: int, max_nodes: int, timeout: float) -> None:
+    """One node's membership: its id, its lease, and the environment of its workers."""
+
+    def __init__(self, store: MembershipStore, *, min_nodes: int, max_nodes: int, timeout: float,
+                 heartbeat_interval: float = 0.5) -> None:
         self.store = store
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
         self.node: int | None = None
+        self._heartbeat: Heartbeat | None = None
 
     def get_backend(self) -> str:
         return "oobleck"
@@ -43,29 +61,44 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def use_agent_store(self) -> bool:
         return False
 
+    def _register(self) -> int:
+        if self.node is not None:
+            # torch's agent restarts this node's workers (one of them exited, and it stopped
+            # the others): the run has lost them. Say so at once, so the survivors need not
+            # wait for a lease, and come back as a new node that joins like any other.
+            mark_dead(self.store, self.node, "its agent restarted its workers")
+            self._heartbeat.stop()
+            logger.warning("[node %d] workers restarted: rejoining the run as a new node", self.node)
+        self.node = self.store.register_node({"host": socket.gethostname(), "pid": os.getpid(),
+                                              "heartbeat_s": self.heartbeat_interval})
+        self._heartbeat = Heartbeat(self.store, self.node, self.heartbeat_interval)
+        logger.info("[node %d] registered at %s", self.node, self.store.url)
+        return self.node
+
     def next_rendezvous(self) -> RendezvousInfo:
-        if self.node is None:
-            self.node = self.store.register_node({"host": socket.gethostname(), "pid": os.getpid()})
-            logger.info("[node %d] registered at %s", self.node, self.store.endpoint)
-        deadline = time.monotonic() + self.timeout
-        while self.store.add("nodes/next", 0) < self.min_nodes:
-            if time.monotonic() > deadline:
-                raise RendezvousTimeoutError(
-                    f"only {self.store.add('nodes/next', 0)} of {self.min_nodes} nodes joined within "
-                    f"{self.timeout:.0f} s; start the other nodes with the same --rdzv-endpoint")
-            time.sleep(0.05)
-        record = {"generation": 0, "nodes": list(range(self.min_nodes)), "start_step": 0}
-        self.store.create_json("generation", record)
-        nodes = self.store.get_json("generation", self.timeout)["nodes"]
-        info = RendezvousStoreInfo(self.store.host, self.store.port)
-        if self.node not in nodes:
-            # A node joining a running job: its workers start at once, get ready (profile,
-            # templates) and are admitted at a step boundary (membership.ready_joiners). torch's
-            # own bookkeeping for this agent goes to a private prefix of one.
-            logger.info("[node %d] joining the running job", self.node)
-            return RendezvousInfo(torch.distributed.PrefixStore(f"join{self.node}", self.store.torch_store()),
-                                  0, 1, info)
-        return RendezvousInfo(self.store.torch_store(), nodes.index(self.node), len(nodes), info)
+        node = self._register()
+        if self.store.try_get_json("generation") is None:
+            deadline = time.monotonic() + self.timeout
+            while (registered := self.store.add("nodes/next", 0)) < self.min_nodes:
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeoutError(
+                        f"only {registered} of {self.min_nodes} nodes joined within {self.timeout:.0f} s; "
+                        "start the other nodes with the same --rdzv-endpoint and --rdzv-id")
+                time.sleep(0.05)
+            self.store.create_json("generation", {"generation": 0, "nodes": list(range(self.min_nodes)),
+                                                  "start_step": 0})
+        if node not in self.store.get_json("generation", self.timeout)["nodes"]:
+            # Its workers start at once, get ready (profile, templates) and are admitted at a
+            # step boundary (membership.ready_joiners).
+            logger.info("[node %d] joining the running job", node)
+        os.environ.update(OOBLECK_STORE=self.store.url, OOBLECK_RUN_ID=self.store.run_id,
+                          OOBLECK_NODE_ID=str(node))
+        if isinstance(self.store, EmbeddedStore):
+            bootstrap = RendezvousStoreInfo(self.store.host, self.store.port)
+        else:  # MASTER_ADDR/PORT for the workers; ours do not use them
+            bootstrap = RendezvousStoreInfo(socket.gethostname(), _free_port())
+        private = torch.distributed.PrefixStore(f"agent{node}", self.store.torch_store())
+        return RendezvousInfo(private, 0, 1, bootstrap)
 
     def is_closed(self) -> bool:
         return self.store.try_get_json("closed") is not None
@@ -81,19 +114,67 @@ class OobleckRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         # Leave, do not close the job for everyone: torch calls this in launch_agent's finally.
-        if self.node is not None:
+        # An agent that stops before the run is done takes its node out of it.
+        if self.node is None:
+            return True
+        self._heartbeat.stop()
+        try:
+            if self.store.try_get_json("done") is None:
+                mark_dead(self.store, self.node, "its agent stopped before the run finished")
             self.store.set_json(f"nodes/{self.node}/left", True)
+            if getattr(self.store, "is_master", False):
+                self._wait_for_others_to_leave()
+        except (torch.distributed.DistError, StoreUnreachable) as exc:  # its host is gone
+            logger.warning("[node %d] could not leave the run cleanly: %s", self.node, str(exc).splitlines()[0])
+            return False
         return True
+
+    def _wait_for_others_to_leave(self) -> None:
+        """The agent hosting the embedded store keeps it up until every other node has left
+        (or is dead: marked, or its lease stopped), so their last words reach it."""
+        watcher = LeaseWatcher(self.store, max(2.0, 4 * self.heartbeat_interval))
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            nodes = range(self.store.add("nodes/next", 0))
+            staying = [n for n in nodes if self.store.try_get_json(f"nodes/{n}/left") is None]
+            if not staying or set(staying) <= watcher.dead(staying):
+                return
+            time.sleep(0.1)
+        logger.warning("[node %d] stopping the store with node(s) %s still in the run", self.node, staying)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
+    """The store `--rdzv-conf store=...` names at `--rdzv-endpoint`: `embedded` (default; the
+    first agent that can bind the endpoint hosts a TCPStore there) or `etcd` (a v2 etcd server)."""
+    kind = str(params.get("store", "embedded"))
+    if kind not in STORES:
+        raise ValueError(f"--rdzv-conf store={kind} is not a membership store; use one of {', '.join(STORES)}")
+    default_port = 2379 if kind == "etcd" else 29400
+    host, _, port = (params.endpoint or f"127.0.0.1:{default_port}").rpartition(":")
+    host, port = host or "127.0.0.1", int(port or default_port)
+    if kind == "etcd":
+        from oobleck_elastic.elastic.etcd_store import EtcdStore
+
+        return EtcdStore(host, port, params.run_id, timeout=timeout)
+    try:
+        return EmbeddedStore(host, port, params.run_id, is_master=True, timeout=timeout)
+    except Exception:  # someone already hosts it at the endpoint: join as a client
+        return EmbeddedStore(host, port, params.run_id, timeout=timeout)
 
 
 def create_handler(params: RendezvousParameters) -> OobleckRendezvousHandler:
-    host, _, port = (params.endpoint or "127.0.0.1:29400").rpartition(":")
     timeout = float(params.get("join_timeout", 600))
-    try:
-        store = EmbeddedStore(host or "127.0.0.1", int(port or 29400), params.run_id, is_master=True, timeout=timeout)
-    except Exception:  # someone already hosts it at the endpoint: join as a client
-        store = EmbeddedStore(host or "127.0.0.1", int(port or 29400), params.run_id, timeout=timeout)
-    return OobleckRendezvousHandler(store, min_nodes=params.min_nodes, max_nodes=params.max_nodes, timeout=timeout)
+    heartbeat = float(params.get("heartbeat_interval", os.environ.get("OOBLECK_HEARTBEAT_S", 0.5)))
+    if heartbeat <= 0:
+        raise ValueError(f"--rdzv-conf heartbeat_interval must be > 0 seconds, got {heartbeat}")
+    return OobleckRendezvousHandler(open_store(params, timeout), min_nodes=params.min_nodes,
+                                    max_nodes=params.max_nodes, timeout=timeout, heartbeat_interval=heartbeat)
 
 
 def handler_entry_point():

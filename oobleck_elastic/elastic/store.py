@@ -1,8 +1,10 @@
 """The membership store: where nodes register and generations are recorded.
 
-`MembershipStore` is the small interface the rest of the elastic layer uses (an etcd-backed
-implementation sits beside the embedded one). Keys live under `oobleck/<run_id>/`; values are
-JSON (never pickle: the store is reachable over the network).
+`MembershipStore` is the small interface the rest of the elastic layer uses; `EmbeddedStore`
+(a TCPStore, nothing to install) and `EtcdStore` (elastic/etcd_store.py: membership that
+outlives any training node) implement it, and `connect_store` opens either from the URL the
+agent hands its workers. Keys live under `oobleck/<run_id>/`; values are JSON (never pickle:
+the store is reachable over the network).
 
 Keys:
     nodes/next         counter handing out node ids
@@ -25,22 +27,41 @@ import torch.distributed as dist
 
 from oobleck_elastic.errors import OobleckError
 
-__all__ = ["MembershipStore", "EmbeddedStore", "host_store", "StoreTimeout"]
+__all__ = ["MembershipStore", "EmbeddedStore", "host_store", "connect_store", "StoreTimeout",
+           "StoreUnreachable"]
 
 
 class StoreTimeout(OobleckError):
     """A store wait ran past its timeout."""
 
 
+class StoreUnreachable(OobleckError):
+    """The store's server does not answer."""
+
+
 class MembershipStore(abc.ABC):
     """Run-scoped JSON key-value store with counters and blocking waits."""
+
+    run_id: str
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """Where the store is, as `connect_store` takes it: `host:port` or `etcd://host:port`."""
 
     @abc.abstractmethod
     def set_json(self, key: str, value: Any) -> None: ...
 
-    @abc.abstractmethod
     def get_json(self, key: str, timeout: float) -> Any:
         """Waits up to `timeout` seconds for `key`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.try_get_json(key)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise StoreTimeout(f"waited {timeout:.0f} s for store key '{key}' at {self.url}")
+            time.sleep(0.02)
 
     @abc.abstractmethod
     def try_get_json(self, key: str) -> Any | None: ...
@@ -67,28 +88,18 @@ class EmbeddedStore(MembershipStore):
 
     def __init__(self, host: str, port: int, run_id: str, *, is_master: bool = False,
                  timeout: float = 60.0) -> None:
-        self.host, self.port, self.run_id = host, port, run_id
+        self.host, self.port, self.run_id, self.is_master = host, port, run_id, is_master
         self._tcp = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
                                   timeout=timedelta(seconds=timeout), use_libuv=True)
         self.port = self._tcp.port  # the chosen one when the server was asked for port 0
         self._store = dist.PrefixStore(f"oobleck/{run_id}", self._tcp)
 
     @property
-    def endpoint(self) -> str:
+    def url(self) -> str:
         return f"{self.host}:{self.port}"
 
     def set_json(self, key: str, value: Any) -> None:
         self._store.set(key, json.dumps(value))
-
-    def get_json(self, key: str, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = self.try_get_json(key)
-            if value is not None:
-                return value
-            if time.monotonic() > deadline:
-                raise StoreTimeout(f"waited {timeout:.0f} s for store key '{key}' at {self.endpoint}")
-            time.sleep(0.02)
 
     def try_get_json(self, key: str) -> Any | None:
         if not self._store.check([key]):
@@ -109,3 +120,15 @@ class EmbeddedStore(MembershipStore):
 def host_store(host: str, port: int, run_id: str, timeout: float = 60.0) -> EmbeddedStore:
     """Starts the store server (port 0: any free port) and returns a handle to it."""
     return EmbeddedStore(host, port, run_id, is_master=True, timeout=timeout)
+
+
+def connect_store(url: str, run_id: str, timeout: float = 60.0) -> MembershipStore:
+    """A client of the store at `url` (`MembershipStore.url`): `etcd://host:port` is etcd's v2
+    API, `host:port` an embedded store someone hosts."""
+    if url.startswith("etcd://"):
+        from oobleck_elastic.elastic.etcd_store import EtcdStore
+
+        host, _, port = url.removeprefix("etcd://").rpartition(":")
+        return EtcdStore(host, int(port), run_id, timeout=timeout)
+    host, _, port = url.rpartition(":")
+    return EmbeddedStore(host, int(port), run_id, timeout=timeout)

@@ -22,7 +22,7 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import LayersLostError, OobleckError
 from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import LeaseWatcher, StepAborted, commit_step, decide_abort, propose_generation, roll_call
-from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, host_store
+from oobleck_elastic.elastic.store import MembershipStore, StoreUnreachable, connect_store, host_store
 from oobleck_elastic.elastic.reporting import RunReport
 from oobleck_elastic.planning import (
     Instantiation,
@@ -52,8 +52,7 @@ logger = logging.getLogger(__name__)
 class WorkerEnv:
     """What the agent tells a worker through its environment."""
 
-    store_host: str
-    store_port: int
+    store_url: str
     run_id: str
     node: int
     local_rank: int
@@ -63,8 +62,7 @@ class WorkerEnv:
     def from_environ(cls) -> WorkerEnv | None:
         if "OOBLECK_STORE" not in os.environ:
             return None
-        host, _, port = os.environ["OOBLECK_STORE"].rpartition(":")
-        return cls(store_host=host, store_port=int(port), run_id=os.environ["OOBLECK_RUN_ID"],
+        return cls(store_url=os.environ["OOBLECK_STORE"], run_id=os.environ["OOBLECK_RUN_ID"],
                    node=int(os.environ["OOBLECK_NODE_ID"]), local_rank=int(os.environ["LOCAL_RANK"]),
                    local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
 
@@ -80,6 +78,17 @@ def _watch_parent() -> None:
             time.sleep(0.2)
 
     threading.Thread(target=watch, name="oobleck-parent-watch", daemon=True).start()
+
+
+def _check_lease(store: MembershipStore, node: int, cfg: JobConfig) -> None:
+    """The agent beats the node's lease at its own interval (torchrun does not read the job
+    config): it must renew at least twice per lease timeout, or healthy nodes look dead."""
+    beat = (store.try_get_json(f"nodes/{node}") or {}).get("heartbeat_s")
+    if beat is not None and 2 * beat > cfg.elastic.lease_timeout_s:
+        raise OobleckError(
+            f"node {node}'s agent renews its lease every {beat} s, too slow for "
+            f"elastic.lease_timeout_s={cfg.elastic.lease_timeout_s}; pass torchrun "
+            f"--rdzv-conf heartbeat_interval={cfg.elastic.heartbeat_interval_s} (elastic.heartbeat_interval_s)")
 
 
 def _profile(store: MembershipStore, env: WorkerEnv, first_node: int, model: ModelSpec, cfg: JobConfig) -> ModelProfile:
@@ -103,7 +112,7 @@ class _Run:
     """
 
     def __init__(self, model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv,
-                 store: EmbeddedStore, fault: FaultInjector | None) -> None:
+                 store: MembershipStore, fault: FaultInjector | None) -> None:
         self.model, self.cfg, self.env, self.store = model, cfg, env, store
         self.me = WorkerRef(env.node, env.local_rank)
         self.fault = fault
@@ -387,7 +396,7 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
     fault = None
     if env is None:
         local_server = host_store("127.0.0.1", 0, "standalone")
-        env = WorkerEnv("127.0.0.1", local_server.port, "standalone", 0, 0, 1)
+        env = WorkerEnv(local_server.url, "standalone", 0, 0, 1)
         local_server.set_json("generation", {"generation": 0, "nodes": [0], "start_step": 0})
         if cfg.fault_tolerance:
             logger.warning("running alone: fault_tolerance=%d needs more nodes, using 0", cfg.fault_tolerance)
@@ -395,15 +404,18 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
     else:
         _watch_parent()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    store = EmbeddedStore(env.store_host, env.store_port, env.run_id, timeout=cfg.elastic.join_timeout_s)
+    store = connect_store(env.store_url, env.run_id, timeout=cfg.elastic.join_timeout_s)
     if local_server is None:
+        _check_lease(store, env.node, cfg)
         fault = FaultInjector.from_environ(env.node, store)
     run = _Run(model, dataset, cfg, env, store, fault)
     try:
         run.run()
+    except StoreUnreachable:
+        raise  # its message says what to do
     except (dist.DistNetworkError, dist.DistStoreError) as exc:
         raise OobleckError(
-            f"the membership store at {store.endpoint} is unreachable ({str(exc).splitlines()[0][:120]}); "
+            f"the membership store at {store.url} is unreachable ({str(exc).splitlines()[0][:120]}); "
             "the embedded store does not outlive the process hosting it. Host it on a machine that stays "
             "up (the launcher does for local jobs) or use the etcd store") from None
     finally:

@@ -1,0 +1,101 @@
+"""The membership store on etcd (v2 API, through python-etcd): membership that outlives the
+loss of any training node, where the embedded store dies with the node hosting it.
+
+etcd v2 keys form a tree, and a key cannot be both a value and a directory (`nodes/3` and
+`nodes/3/dead` would clash), so a store key is one etcd key with its `/` written as `.`:
+`/oobleck/<run_id>/nodes.3.dead`. `etcdctl --api=v2 ls /oobleck/<run_id>` lists a run.
+Counters and compare-and-set use etcd's own `prevExist` and `prevIndex` conditions. Process
+groups bootstrap through torch's etcd-backed c10d store under `/oobleck/<run_id>/torch/`.
+
+Start etcd 3.4 with the v2 API: `etcd --enable-v2 --listen-client-urls http://0.0.0.0:2379
+--advertise-client-urls http://HOST:2379`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import etcd
+import torch.distributed as dist
+
+from oobleck_elastic.elastic.store import MembershipStore, StoreUnreachable
+
+__all__ = ["EtcdStore"]
+
+
+class EtcdStore(MembershipStore):
+    """A run's keys on an etcd server; every request gives up after `request_timeout` seconds."""
+
+    def __init__(self, host: str, port: int, run_id: str, *, timeout: float = 60.0,
+                 request_timeout: float = 5.0) -> None:
+        self.host, self.port, self.run_id, self.timeout = host, port, run_id, timeout
+        self._client = etcd.Client(host=host, port=port, read_timeout=request_timeout)
+        self._prefix = f"/oobleck/{run_id}/"
+        self._torch_store: dist.Store | None = None
+        self._call(self._client.read, "/")  # fail now, with a clear message, if it is not there
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{self.host}:{self.port}"
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key.replace("/", ".")
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except etcd.EtcdConnectionFailed as exc:
+            raise StoreUnreachable(
+                f"etcd at {self.host}:{self.port} is unreachable ({str(exc)[:120]}); start it with "
+                "--enable-v2 (the v2 API python-etcd speaks) or fix --rdzv-endpoint") from None
+
+    def set_json(self, key: str, value: Any) -> None:
+        self._call(self._client.write, self._key(key), json.dumps(value))
+
+    def try_get_json(self, key: str) -> Any | None:
+        try:
+            return json.loads(self._call(self._client.read, self._key(key)).value)
+        except etcd.EtcdKeyNotFound:
+            return None
+
+    def add(self, key: str, amount: int) -> int:
+        path = self._key(key)
+        while True:
+            try:
+                current = self._call(self._client.read, path)
+            except etcd.EtcdKeyNotFound:
+                if amount == 0:
+                    return 0
+                try:
+                    self._call(self._client.write, path, str(amount), prevExist=False)
+                    return amount
+                except etcd.EtcdAlreadyExist:
+                    continue  # someone created it first: add to theirs
+            if amount == 0:
+                return int(current.value)
+            value = int(current.value) + amount
+            try:
+                self._call(self._client.write, path, str(value), prevIndex=current.modifiedIndex)
+                return value
+            except etcd.EtcdCompareFailed:
+                continue  # someone added meanwhile: read again
+
+    def create_json(self, key: str, value: Any) -> bool:
+        try:
+            self._call(self._client.write, self._key(key), json.dumps(value), prevExist=False)
+            return True
+        except etcd.EtcdAlreadyExist:
+            return False
+
+    def torch_store(self) -> dist.Store:
+        # One object, held here: a c10d store written in Python stops working ("Not
+        # implemented") once its Python object is collected, even while a PrefixStore or a
+        # process group still holds the C++ side.
+        if self._torch_store is None:
+            from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore as TorchEtcdStore
+
+            self._torch_store = TorchEtcdStore(self._client, self._prefix + "torch",
+                                               timedelta(seconds=self.timeout))
+        return self._torch_store
