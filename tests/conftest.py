@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from jobs import failure_free  # noqa: F401 (a fixture: the single-process reference run)
 from oobleck_elastic.planning import Cluster, LayerProfile, ModelProfile
 
 

@@ -4,44 +4,17 @@ copy the missing layers, replay the step, and end with the weights of a failure-
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
 
 import psutil
-
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "examples/gpt/train.py")
-STEPS = 6
+from jobs import SCRIPT, STEPS, assert_matches, job_args, records
+
 pytestmark = pytest.mark.slow
-
-
-def job_args(tmp_path, name):
-    return ["--config", str(ROOT / "examples/gpt/config.yaml"), "--set", f"train.steps={STEPS}",
-            "--set", "train.dtype=float64", "--set", "planner.memory_per_worker=16MB",
-            "--set", f"planner.profile_dir={tmp_path.parent / 'profiles'}",
-            "--set", f"monitoring.metrics_path={tmp_path / name / 'metrics.jsonl'}",
-            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}"]
-
-
-def records(path):
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def failure_free(tmp_path_factory):
-    """The single-process run (equal to a failure-free multi-node run, see test_launcher)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    alone = [*job_args(tmp, "ref"), "--set", "planner.memory_per_worker=1GB"]  # one worker holds all
-    proc = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return records(tmp / "ref/metrics.jsonl")[-1]
 
 
 def wait_for_step_one(tmp_path, proc: subprocess.Popen, timeout: float = 200) -> None:
@@ -75,12 +48,6 @@ def run_with_faults(tmp_path, nodes: int, fault: str):
                           timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout, records(tmp_path / "job/metrics.jsonl")
-
-
-def assert_matches(final, reference, rel=1e-9):
-    for ours, theirs in zip(final["param_sums"] + final["param_norms"],
-                            reference["param_sums"] + reference["param_norms"]):
-        assert ours == pytest.approx(theirs, rel=rel, abs=1e-12)
 
 
 @pytest.mark.parametrize("faults", [

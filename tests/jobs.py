@@ -1,0 +1,44 @@
+"""What the multi-process tests share: the example job's arguments, its metrics log, the
+single-process reference run, and the comparison of final weights."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples/gpt/train.py")
+STEPS = 6
+
+
+def job_args(tmp_path, name):
+    return ["--config", str(ROOT / "examples/gpt/config.yaml"), "--set", f"train.steps={STEPS}",
+            "--set", "train.dtype=float64", "--set", "planner.memory_per_worker=16MB",
+            "--set", f"planner.profile_dir={tmp_path.parent / 'profiles'}",
+            "--set", f"monitoring.metrics_path={tmp_path / name / 'metrics.jsonl'}",
+            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}"]
+
+
+def records(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def failure_free(tmp_path_factory):
+    """The single-process run (equal to a failure-free multi-node run, see test_launcher)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    alone = [*job_args(tmp, "ref"), "--set", "planner.memory_per_worker=1GB"]  # one worker holds all
+    proc = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return records(tmp / "ref/metrics.jsonl")[-1]
+
+
+def assert_matches(final, reference, rel=1e-9):
+    for ours, theirs in zip(final["param_sums"] + final["param_norms"],
+                            reference["param_sums"] + reference["param_norms"]):
+        assert ours == pytest.approx(theirs, rel=rel, abs=1e-12)

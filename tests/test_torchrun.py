@@ -1,0 +1,100 @@
+"""Stock torchrun with `--rdzv-backend=oobleck`: torch finds the handler through its
+`torchrun.handlers` entry point, a job on the embedded store trains exactly like one process,
+and a job on a real etcd server loses node 0 to a SIGKILL and finishes with the weights of a
+failure-free run (no launcher of ours marks the node dead: its lease does)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from etcd_server import etcd_server
+from jobs import SCRIPT, STEPS, assert_matches, job_args, records
+from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
+
+pytestmark = pytest.mark.slow
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the `torchrun` script runs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torch_finds_the_handler_through_its_entry_point():
+    params = RendezvousParameters(backend="oobleck", endpoint=f"127.0.0.1:{free_port()}", run_id="entry",
+                                  min_nodes=1, max_nodes=1, join_timeout="5")
+    handler = get_rendezvous_handler(params)
+    assert isinstance(handler, OobleckRendezvousHandler) and handler.get_backend() == "oobleck"
+    assert handler.store.is_master, "the first agent at the endpoint hosts the embedded store"
+    bad = RendezvousParameters(backend="oobleck", endpoint="127.0.0.1:1", run_id="bad", min_nodes=1,
+                               max_nodes=1, store="zookeeper")
+    with pytest.raises(ValueError, match="store=zookeeper is not a membership store; use one of embedded, etcd"):
+        get_rendezvous_handler(bad)
+
+
+def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: str = "",
+                 extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """`nodes` torchrun processes (each its own session, so a fault kills one node), waited for."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_FAULT": fault}
+    procs = []
+    for node in range(nodes):
+        with open(tmp_path / f"torchrun{node}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [*TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=oobleck",
+                 f"--rdzv-endpoint={endpoint}", "--rdzv-id=torchruntest", "--monitor-interval=0.1", *conf,
+                 SCRIPT, *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB", *extra],
+                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + 300
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "--rdzv-id=torchruntest" in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, "no agent or worker outlives its torchrun"
+    return procs
+
+
+def logs(tmp_path, nodes: int) -> str:
+    return "\n".join((tmp_path / f"torchrun{n}.log").read_text()[-3000:] for n in range(nodes))
+
+
+def test_stock_torchrun_on_the_embedded_store_trains_like_one_process(tmp_path, failure_free):
+    procs = run_torchrun(tmp_path, 2, f"127.0.0.1:{free_port()}", [])
+    assert [p.returncode for p in procs] == [0, 0], logs(tmp_path, 2)
+    log = records(tmp_path / "job/metrics.jsonl")
+    assert [r["nodes"] for r in log if r.get("event") == "generation"] == [[0, 1]]
+    steps = [r for r in log if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps] == list(range(STEPS)) and all(r["samples"] == 64 for r in steps)
+    assert_matches(log[-1], failure_free)
+
+
+def test_stock_torchrun_on_etcd_survives_losing_node_0(tmp_path, failure_free):
+    # Node 0 is the lowest node (the first proposer) and registered first; with etcd no node
+    # hosts the membership. The survivors learn of the death from gloo and from its lease.
+    timeouts = ("--set", "elastic.collective_timeout_s=2", "--set", "elastic.lease_timeout_s=3",
+                "--set", "elastic.agreement_timeout_s=10")
+    with etcd_server() as port:
+        procs = run_torchrun(tmp_path, 3, f"127.0.0.1:{port}", ["--rdzv-conf=store=etcd"],
+                             fault="node=0,step=2,phase=backward", extra=timeouts)
+    assert sorted(p.returncode for p in procs) == [-9, 0, 0], logs(tmp_path, 3)
+    log = records(tmp_path / "job/metrics.jsonl")
+    recovery = [r for r in log if r.get("event") == "recovery"]
+    assert len(recovery) == 1 and recovery[0]["lost"] == [0] and recovery[0]["step"] == 2
+    steps = [r for r in log if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps] == list(range(STEPS)), "each step logged exactly once"
+    assert all(r["samples"] == 64 for r in steps)
+    assert_matches(log[-1], failure_free)
