@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,3 +43,17 @@ def assert_matches(final, reference, rel=1e-9):
     for ours, theirs in zip(final["param_sums"] + final["param_norms"],
                             reference["param_sums"] + reference["param_norms"]):
         assert ours == pytest.approx(theirs, rel=rel, abs=1e-12)
+
+
+def node_worker(run_id: str, node: int) -> psutil.Process:
+    """The worker process of `node` (its environment, fixed at exec, names run and node)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if env.get("OOBLECK_RUN_ID") == run_id and env.get("OOBLECK_NODE_ID") == str(node):
+            found.append(proc)
+    assert len(found) == 1, found
+    return found[0]

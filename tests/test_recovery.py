@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from jobs import SCRIPT, STEPS, assert_matches, job_args, records
+from jobs import SCRIPT, STEPS, assert_matches, job_args, node_worker, records
 
 pytestmark = pytest.mark.slow
 
@@ -24,20 +24,6 @@ def wait_for_step_one(tmp_path, proc: subprocess.Popen, timeout: float = 200) ->
     while not (metrics.exists() and '"step": 1' in metrics.read_text()):
         assert time.monotonic() < deadline and proc.poll() is None, "the job never got going"
         time.sleep(0.2)
-
-
-def node_worker(run_id: str, node: int) -> psutil.Process:
-    """The worker process of `node` (its environment, fixed at exec, names run and node)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            env = proc.environ()
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        if env.get("OOBLECK_RUN_ID") == run_id and env.get("OOBLECK_NODE_ID") == str(node):
-            found.append(proc)
-    assert len(found) == 1, found
-    return found[0]
 
 
 def run_with_faults(tmp_path, nodes: int, fault: str):

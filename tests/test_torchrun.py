@@ -17,7 +17,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_server import etcd_server
-from jobs import SCRIPT, STEPS, assert_matches, job_args, records
+from jobs import SCRIPT, STEPS, assert_matches, job_args, node_worker, records
 from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
 
 pytestmark = pytest.mark.slow
@@ -98,3 +98,45 @@ def test_stock_torchrun_on_etcd_survives_losing_node_0(tmp_path, failure_free):
     assert [r["step"] for r in steps] == list(range(STEPS)), "each step logged exactly once"
     assert all(r["samples"] == 64 for r in steps)
     assert_matches(log[-1], failure_free)
+
+
+def test_a_worker_torch_restarts_comes_back_as_a_new_node(tmp_path):
+    # One worker of node 2 dies (its agent lives): torch's agent restarts the node's workers;
+    # the handler marks node 2 dead at once and registers the node again as node 3, which
+    # joins the run; the others are not restarted and the weights are the reference's.
+    steps = 30  # long enough for the restarted worker to get ready and be admitted
+    longer = ("--set", "planner.memory_per_worker=1GB", "--set", f"train.steps={steps}")
+    alone = subprocess.run([sys.executable, SCRIPT, *job_args(tmp_path, "ref"), *longer], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for node in range(3):
+        with open(tmp_path / f"torchrun{node}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [*TORCHRUN, "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=oobleck", "--max-restarts=1",
+                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=torchruntest", "--monitor-interval=0.1",
+                 SCRIPT, *job_args(tmp_path, "job"), *longer],
+                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        metrics = tmp_path / "job/metrics.jsonl"
+        deadline = time.monotonic() + 200
+        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, 3)
+            time.sleep(0.1)
+        node_worker("torchruntest", 2).kill()
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0], logs(tmp_path, 3)
+    assert "node 2] workers restarted: rejoining the run as a new node" in logs(tmp_path, 3)
+    log = records(tmp_path / "job/metrics.jsonl")
+    recovery = [r for r in log if r.get("event") == "recovery"]
+    assert [(r["lost"], r["joined"]) for r in recovery] == [([2], []), ([], [3])], recovery
+    assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(steps))
+    assert_matches(log[-1], records(tmp_path / "ref/metrics.jsonl")[-1])

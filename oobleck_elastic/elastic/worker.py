@@ -67,6 +67,10 @@ class WorkerEnv:
                    local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
+class RunFinished(Exception):
+    """The run ended while this worker waited to join it: nothing is left to do."""
+
+
 def _watch_parent() -> None:
     """Workers exit when their agent dies (a SIGKILLed agent would otherwise leave orphans)."""
     parent = os.getppid()
@@ -165,6 +169,8 @@ class _Run:
             record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
             if self.me.node in record["nodes"]:
                 break
+            if self.store.try_get_json("done") is not None:
+                raise RunFinished(f"[node {self.me.node}] the run finished before this node was admitted")
             if time.monotonic() > deadline:
                 raise OobleckError(f"node {self.me.node} was not admitted within {self.cfg.elastic.join_timeout_s:.0f} s")
             time.sleep(0.05)
@@ -411,6 +417,8 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
     run = _Run(model, dataset, cfg, env, store, fault)
     try:
         run.run()
+    except RunFinished as exc:
+        logger.warning("%s", exc)
     except StoreUnreachable:
         raise  # its message says what to do
     except (dist.DistNetworkError, dist.DistStoreError) as exc:
