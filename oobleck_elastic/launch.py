@@ -5,7 +5,8 @@
     python -m oobleck_elastic.launch --oobleck-local-nodes 4 --nproc-per-node 1 \\
         examples/gpt/train.py --config examples/gpt/config.yaml   # a whole 4-node job here
 
-With --oobleck-local-nodes N this process hosts the membership store and starts N node agents,
+With --oobleck-local-nodes N this process hosts the membership store (or uses the etcd server
+that --rdzv-conf store=etcd and --rdzv-endpoint name) and starts N node agents,
 each in its own process group (so a node can be killed as a unit), and prints one progress line
 per interval; node logs go to --oobleck-log-dir (-v shows them here instead).
 """
@@ -143,20 +144,36 @@ def _node_of_pid(store, pid: int) -> int | None:
     return None
 
 
-def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
-    from oobleck_elastic.elastic.store import host_store
+def _local_store(args: argparse.Namespace, run_id: str):
+    """The membership store of a local job: hosted here (embedded), or on the etcd server that
+    `--rdzv-conf store=etcd` and `--rdzv-endpoint` name. Returns it and the nodes' endpoint."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
-    nodes = args.oobleck_local_nodes
-    run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
+    from oobleck_elastic.elastic.rendezvous import STORES
+    from oobleck_elastic.elastic.store import connect_store, host_store
+
+    kind = _parse_rendezvous_config(args.rdzv_conf).get("store", "embedded")
+    if kind not in STORES:
+        raise OobleckError(f"--rdzv-conf store={kind} is not a membership store; use one of {', '.join(STORES)}")
+    if kind == "etcd":
+        endpoint = args.rdzv_endpoint or "127.0.0.1:2379"
+        return connect_store(f"etcd://{endpoint}", run_id), endpoint
     port = int(args.rdzv_endpoint.rpartition(":")[2]) if args.rdzv_endpoint else 0
     store = host_store("127.0.0.1", port, run_id)
+    return store, f"127.0.0.1:{store.port}"
+
+
+def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
+    nodes = args.oobleck_local_nodes
+    run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
+    store, endpoint = _local_store(args, run_id)
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if cfg:
         env["OOBLECK_HEARTBEAT_S"] = str(cfg.elastic.heartbeat_interval_s)
     base = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}",
-            f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint=127.0.0.1:{store.port}",
-            f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
+            f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-conf={args.rdzv_conf}", f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
             args.training_script, *args.training_script_args]
     procs, logs = [], []
 
@@ -169,7 +186,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
 
     pending_adds = sorted(args.oobleck_add_node_at_step)
     print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
-          f"127.0.0.1:{store.port}; node logs in {args.oobleck_log_dir}/", flush=True)
+          f"{store.url}; node logs in {args.oobleck_log_dir}/", flush=True)
     for _ in range(nodes):
         start_node()
     started = time.monotonic()

@@ -4,12 +4,16 @@ TensorBoard output, equality with the single-process reference, and early config
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
 
 import psutil
 import pytest
+
+import jobs
+from etcd_server import etcd_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -68,3 +72,29 @@ def test_bad_config_fails_before_any_worker_starts(tmp_path):
     assert "error: train.global_batch_size (64) must be a multiple of train.microbatch_size (5)" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "logs").exists(), "no node was started"
+
+
+def test_local_job_on_etcd_recovers_and_matches_reference(tmp_path, failure_free):
+    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=2,phase=backward"}
+    with etcd_server() as port:
+        proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=3",
+                               "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}",
+                               "--rdzv-conf=store=etcd", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=etcdjob",
+                               jobs.SCRIPT, *jobs.job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"store etcd://127.0.0.1:{port}" in proc.stdout and "lost node(s) [1] at step 3" in proc.stdout
+    log = records(tmp_path / "job/metrics.jsonl")
+    assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(jobs.STEPS))
+    jobs.assert_matches(log[-1], failure_free)
+    assert not our_processes("--rdzv-id=etcdjob")
+
+
+def test_unknown_store_fails_before_any_node_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes", "2",
+                           "--rdzv-conf=store=zookeeper", "--oobleck-log-dir", str(tmp_path / "logs"),
+                           str(ROOT / "examples/gpt/train.py")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "error: --rdzv-conf store=zookeeper is not a membership store; use one of embedded, etcd" in proc.stderr
+    assert not (tmp_path / "logs").exists()
