@@ -48,6 +48,8 @@ def test_defaults_and_file_and_overrides(tmp_path):
     (["fault_tolerance=-1"], "fault_tolerance must be >= 0, got -1"),
     (["planner.memory_per_worker=12XB"], "planner.memory_per_worker must be a byte count"),
     (["elastic.lease_timeout_s=5"], "collective_timeout_s < lease_timeout_s < agreement_timeout_s"),
+    (["elastic.rollcall_window_s=1"], "elastic.rollcall_window_s (1.0) must be at least 3 heartbeats (3 x 0.5)"),
+    (["elastic.rollcall_window_s=20"], "and at most elastic.lease_timeout_s (15.0)"),
     (["checkpoint.interval=-2"], "checkpoint.interval must be >= 0"),
     (["train.grad_clip_norm=0"], "train.grad_clip_norm must be > 0 or null"),
     (["train.schedule=ZB"], "train.schedule must be one of '1F1B', 'GPipe', 'Interleaved1F1B'"),

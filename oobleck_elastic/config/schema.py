@@ -245,8 +245,9 @@ class ElasticConfig:
     """A node whose lease is older than this is dead (catches hangs and partitions)."""
     agreement_timeout_s: float = 30.0
     """Longest wait for the survivors to agree on the next generation."""
-    rollcall_window_s: float = 0.5
-    """After an error, how long to wait for survivors to check in before proposing."""
+    rollcall_window_s: float = 2.0
+    """After an error, a member that has not checked in is dead once its lease has stood still
+    this long (at least 3 heartbeats: a live agent's lease keeps moving)."""
     join_timeout_s: float = 300.0
     """How long a starting node waits to be admitted."""
 
@@ -261,8 +262,10 @@ class ElasticConfig:
                "elastic timeouts must be ordered collective_timeout_s < lease_timeout_s < "
                f"agreement_timeout_s, got {self.collective_timeout_s} < {self.lease_timeout_s} < "
                f"{self.agreement_timeout_s}")
-        _check(self.rollcall_window_s < self.agreement_timeout_s,
-               "elastic.rollcall_window_s must be shorter than elastic.agreement_timeout_s")
+        _check(3 * self.heartbeat_interval_s <= self.rollcall_window_s <= self.lease_timeout_s,
+               f"elastic.rollcall_window_s ({self.rollcall_window_s}) must be at least 3 heartbeats "
+               f"(3 x {self.heartbeat_interval_s}) so a live node is never taken for dead, and at most "
+               f"elastic.lease_timeout_s ({self.lease_timeout_s})")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,8 +14,11 @@ Note: [step transaction]
 Note: [roll call]
     After a failure every surviving worker checks in under `rollcall/<g>/<node>/<rank>`. The
     roll call is complete when every member node of g has all its workers checked in or is
-    known dead (marked dead by its launcher, or its heartbeat lease expired), or at
-    `elastic.agreement_timeout_s`. The lowest complete node proposes generation g+1 (its
+    known dead (marked dead by its launcher or its agent, or its heartbeat lease stood still
+    for `elastic.rollcall_window_s`: a failure is known by then, so a silent agent is not given
+    the whole lease timeout), or at `elastic.agreement_timeout_s`. The heartbeat runs in the
+    agent, not in the workers, so a live node whose workers are slow to notice the failure
+    keeps its lease moving and is waited for. The lowest complete node proposes generation g+1 (its
     complete nodes, the committed step count) with compare-and-set on `generation/<g+1>`;
     everyone adopts whatever won. A worker whose node is not in it is fenced and exits.
 """
@@ -61,13 +64,15 @@ class Heartbeat:
 
 
 class LeaseWatcher:
-    """Decides which nodes are dead: marked dead, or lease unchanged for `timeout` seconds."""
+    """Decides which nodes are dead: marked dead, or lease unchanged for `timeout` seconds
+    (`dead(..., timeout=...)` takes a shorter one where a failure is already known)."""
 
     def __init__(self, store: MembershipStore, timeout: float) -> None:
         self.store, self.timeout = store, timeout
         self._seen: dict[int, tuple[int, float]] = {}
 
-    def dead(self, nodes: Iterable[int]) -> set[int]:
+    def dead(self, nodes: Iterable[int], timeout: float | None = None) -> set[int]:
+        timeout = self.timeout if timeout is None else timeout
         now = time.monotonic()
         out = set()
         for node in nodes:
@@ -78,7 +83,7 @@ class LeaseWatcher:
             last = self._seen.get(node)
             if last is None or last[0] != beat:
                 self._seen[node] = (beat, now)
-            elif now - last[1] > self.timeout:
+            elif now - last[1] > timeout:
                 out.add(node)
         return out
 
@@ -137,15 +142,18 @@ def decide_abort(store: MembershipStore, generation: int, step: int) -> str:
 
 
 def roll_call(store: MembershipStore, generation: int, me: tuple[int, int], members: list[int],
-              workers_per_node: int, watcher: LeaseWatcher, timeout: float) -> tuple[list[int], list[int]]:
-    """Checks in and waits for the roll call (Note: [roll call]); returns (alive, dead) nodes."""
+              workers_per_node: int, watcher: LeaseWatcher, timeout: float,
+              suspect_after: float) -> tuple[list[int], list[int]]:
+    """Checks in and waits for the roll call (Note: [roll call]); returns (alive, dead) nodes.
+    A failure is known here, so a member that has not checked in is dead as soon as its lease
+    has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease timeout."""
     store.set_json(f"rollcall/{generation}/started", True)
     store.set_json(f"rollcall/{generation}/{me[0]}/{me[1]}", True)
     deadline = time.monotonic() + timeout
     while True:
         present = {n for n in members if all(store.try_get_json(f"rollcall/{generation}/{n}/{w}")
                                              for w in range(workers_per_node))}
-        dead = watcher.dead(set(members) - present)
+        dead = watcher.dead(set(members) - present, timeout=suspect_after)
         if present | dead == set(members) or time.monotonic() > deadline:
             return sorted(present), sorted(set(members) - present)
         time.sleep(0.005)

@@ -308,7 +308,7 @@ class _Run:
             self.fault("agreement")
         alive, dead = roll_call(self.store, old.generation, (self.me.node, self.me.local_rank),
                                 list(old.instantiation.nodes), self.env.local_world_size, self.watcher,
-                                self.cfg.elastic.agreement_timeout_s)
+                                self.cfg.elastic.agreement_timeout_s, self.cfg.elastic.rollcall_window_s)
         if not dead:
             raise RuntimeError(f"{cause}, but every node answered the roll call: not a node failure")
         base = old.generation if self._complete(old.generation) else self.records[old.generation]["base"]

@@ -1,0 +1,32 @@
+"""The roll call on a real (embedded) store: a member whose lease stands still is dead after
+the window, a member whose agent keeps beating is waited for even when its workers check in
+after the window, and nobody waits for a whole lease timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, roll_call
+from oobleck_elastic.elastic.store import host_store
+
+
+def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_ones():
+    store = host_store("127.0.0.1", 0, "rollcall")
+    watcher = LeaseWatcher(store, timeout=30.0)  # the lease timeout itself never fires here
+    beating = Heartbeat(store, 3, interval=0.1)
+    try:
+        store.set_json("rollcall/0/1/0", True)  # node 1's worker is already in
+
+        def late_check_in() -> None:  # node 3's worker notices the failure late
+            time.sleep(1.2)
+            store.set_json("rollcall/0/3/0", True)
+
+        threading.Thread(target=late_check_in, daemon=True).start()
+        start = time.monotonic()
+        alive, dead = roll_call(store, 0, (0, 0), [0, 1, 2, 3], 1, watcher, timeout=60.0, suspect_after=0.5)
+        took = time.monotonic() - start
+    finally:
+        beating.stop()
+    assert (alive, dead) == ([0, 1, 3], [2])
+    assert 1.2 <= took < 30.0, "waited for node 3's check-in, not for the agreement timeout"
