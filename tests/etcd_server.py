@@ -23,15 +23,16 @@ def _free_ports(n: int) -> list[int]:
 
 
 @contextmanager
-def etcd_server(timeout: float = 30.0):
-    """Yields the client port of a fresh etcd server on 127.0.0.1."""
+def etcd_server(timeout: float = 30.0, v2: bool = True):
+    """Yields the client port of a fresh etcd server on 127.0.0.1 (`v2=False`: without the v2
+    API, the usual mistake)."""
     binary = shutil.which("etcd")
     if binary is None:
         raise RuntimeError("these tests need etcd (Debian: apt-get install etcd-server); .ci/run installs it")
     client, peer = _free_ports(2)
     data = tempfile.mkdtemp(prefix="oobleck-etcd-")
     proc = subprocess.Popen(
-        [binary, "--enable-v2", "--name", "test", "--data-dir", data,
+        [binary, f"--enable-v2={str(v2).lower()}", "--name", "test", "--data-dir", data,
          "--listen-client-urls", f"http://127.0.0.1:{client}",
          "--advertise-client-urls", f"http://127.0.0.1:{client}",
          "--listen-peer-urls", f"http://127.0.0.1:{peer}",
@@ -42,7 +43,7 @@ def etcd_server(timeout: float = 30.0):
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{client}/v2/keys/", timeout=1):
+                with urllib.request.urlopen(f"http://127.0.0.1:{client}/version", timeout=1):
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:

@@ -108,3 +108,9 @@ def test_process_groups_bootstrap_through_etcd_for_several_generations(etcd_port
                 p.kill()
     expected = [sum(r + g for r in range(world)) for g in range(3)]
     assert all(results[r] == expected for r in range(world)), results
+
+
+def test_etcd_without_the_v2_api_is_a_clear_error():
+    with etcd_server(v2=False) as port:
+        with pytest.raises(StoreUnreachable, match=r"failed a request .*404.*is its v2 API on \(etcd --enable-v2\)"):
+            connect_store(f"etcd://127.0.0.1:{port}", "nov2")

@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_server import etcd_server
@@ -40,6 +40,23 @@ def test_torch_finds_the_handler_through_its_entry_point():
                                max_nodes=1, store="zookeeper")
     with pytest.raises(ValueError, match="store=zookeeper is not a membership store; use one of embedded, etcd"):
         get_rendezvous_handler(bad)
+    no_id = RendezvousParameters(backend="oobleck", endpoint="127.0.0.1:1", run_id="none", min_nodes=1,
+                                 max_nodes=1, store="etcd")
+    with pytest.raises(ValueError, match="--rdzv-id is required with --rdzv-conf store=etcd"):
+        get_rendezvous_handler(no_id)
+
+
+def test_a_finished_run_refuses_new_nodes_and_a_client_never_hosts():
+    port = free_port()
+    params = RendezvousParameters(backend="oobleck", endpoint=f"127.0.0.1:{port}", run_id="over",
+                                  min_nodes=1, max_nodes=1, join_timeout="5")
+    first = get_rendezvous_handler(params)
+    first.store.set_json("done", {"steps": 3})
+    with pytest.raises(RendezvousError, match="run 'over' at 127.0.0.1:.* has already finished; give each job"):
+        first.next_rendezvous()
+    client = get_rendezvous_handler(RendezvousParameters(
+        backend="oobleck", endpoint=f"127.0.0.1:{port}", run_id="over", min_nodes=1, max_nodes=1, is_host="0"))
+    assert not client.store.is_master and client.store.try_get_json("done") == {"steps": 3}
 
 
 def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: str = "",

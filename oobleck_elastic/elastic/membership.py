@@ -25,6 +25,7 @@ Note: [roll call]
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -33,6 +34,8 @@ from oobleck_elastic.elastic.store import MembershipStore
 
 __all__ = ["Heartbeat", "LeaseWatcher", "StepAborted", "commit_step", "decide_abort", "roll_call",
            "propose_generation", "mark_dead", "ready_joiners"]
+
+logger = logging.getLogger(__name__)
 
 
 class StepAborted(Exception):
@@ -53,11 +56,16 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self.interval):
             try:
                 self.store.add(f"lease/{self.node}", 1)
-            except Exception:  # the store's host is gone: the launcher will notice
-                return
+                failures = 0
+            except Exception as exc:  # a store hiccup must not end the lease: try again next beat
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning("[node %d] lease renewal failed (%d in a row): %s", self.node, failures,
+                                   str(exc).splitlines()[0][:160])
 
     def stop(self) -> None:
         self._stop.set()

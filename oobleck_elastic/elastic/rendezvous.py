@@ -24,12 +24,14 @@ import time
 
 import torch.distributed
 from torch.distributed.elastic.rendezvous.api import (
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, mark_dead
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreUnreachable
@@ -62,6 +64,10 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return False
 
     def _register(self) -> int:
+        if self.node is None and self.store.try_get_json("done") is not None:
+            raise RendezvousError(
+                f"run '{self.store.run_id}' at {self.store.url} has already finished; give each job its "
+                "own --rdzv-id (a run's records stay in the store)")
         if self.node is not None:
             # torch's agent restarts this node's workers (one of them exited, and it stopped
             # the others): the run has lost them. Say so at once, so the survivors need not
@@ -118,6 +124,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if self.node is None:
             return True
         self._heartbeat.stop()
+        if isinstance(self.store, EmbeddedStore) and not self.store.is_master:
+            self.store.set_timeout(10.0)  # leaving is best effort: never block for long
         try:
             if self.store.try_get_json("done") is None:
                 mark_dead(self.store, self.node, "its agent stopped before the run finished")
@@ -150,8 +158,8 @@ def _free_port() -> int:
 
 
 def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
-    """The store `--rdzv-conf store=...` names at `--rdzv-endpoint`: `embedded` (default; the
-    first agent that can bind the endpoint hosts a TCPStore there) or `etcd` (a v2 etcd server)."""
+    """The store `--rdzv-conf store=...` names at `--rdzv-endpoint`: `embedded` (default; an
+    agent on the endpoint's machine hosts a TCPStore there) or `etcd` (a v2 etcd server)."""
     kind = str(params.get("store", "embedded"))
     if kind not in STORES:
         raise ValueError(f"--rdzv-conf store={kind} is not a membership store; use one of {', '.join(STORES)}")
@@ -161,11 +169,19 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
     if kind == "etcd":
         from oobleck_elastic.elastic.etcd_store import EtcdStore
 
+        if params.run_id in ("", "none"):
+            raise ValueError("--rdzv-id is required with --rdzv-conf store=etcd: a run's records stay "
+                             "in etcd, so each job needs an id of its own")
         return EtcdStore(host, port, params.run_id, timeout=timeout)
-    try:
-        return EmbeddedStore(host, port, params.run_id, is_master=True, timeout=timeout)
-    except Exception:  # someone already hosts it at the endpoint: join as a client
-        return EmbeddedStore(host, port, params.run_id, timeout=timeout)
+    # Only the endpoint's machine hosts the store (or the one `is_host` names, where names are
+    # ambiguous); on it, the first agent to bind the port wins and the others are clients.
+    is_host = params.get_as_bool("is_host")
+    if is_host if is_host is not None else _matches_machine_hostname(host):
+        try:
+            return EmbeddedStore(host, port, params.run_id, is_master=True, timeout=timeout)
+        except Exception:  # another agent of this machine hosts it
+            pass
+    return EmbeddedStore(host, port, params.run_id, timeout=timeout)
 
 
 def create_handler(params: RendezvousParameters) -> OobleckRendezvousHandler:

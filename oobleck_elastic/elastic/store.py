@@ -98,6 +98,11 @@ class EmbeddedStore(MembershipStore):
     def url(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def set_timeout(self, seconds: float) -> None:
+        """Bounds every later request (a vanished host without a TCP reset would block each
+        one for the whole store timeout)."""
+        self._tcp.set_timeout(timedelta(seconds=seconds))
+
     def set_json(self, key: str, value: Any) -> None:
         self._store.set(key, json.dumps(value))
 

@@ -86,13 +86,16 @@ def _watch_parent() -> None:
 
 def _check_lease(store: MembershipStore, node: int, cfg: JobConfig) -> None:
     """The agent beats the node's lease at its own interval (torchrun does not read the job
-    config): it must renew at least twice per lease timeout, or healthy nodes look dead."""
+    config): it must renew twice per lease timeout and three times per roll-call window, or
+    healthy nodes look dead."""
     beat = (store.try_get_json(f"nodes/{node}") or {}).get("heartbeat_s")
-    if beat is not None and 2 * beat > cfg.elastic.lease_timeout_s:
+    ela = cfg.elastic
+    if beat is not None and (2 * beat > ela.lease_timeout_s or 3 * beat > ela.rollcall_window_s):
         raise OobleckError(
             f"node {node}'s agent renews its lease every {beat} s, too slow for "
-            f"elastic.lease_timeout_s={cfg.elastic.lease_timeout_s}; pass torchrun "
-            f"--rdzv-conf heartbeat_interval={cfg.elastic.heartbeat_interval_s} (elastic.heartbeat_interval_s)")
+            f"elastic.lease_timeout_s={ela.lease_timeout_s} (2 beats) and elastic.rollcall_window_s="
+            f"{ela.rollcall_window_s} (3 beats); pass torchrun --rdzv-conf "
+            f"heartbeat_interval={ela.heartbeat_interval_s} (elastic.heartbeat_interval_s)")
 
 
 def _profile(store: MembershipStore, env: WorkerEnv, first_node: int, model: ModelSpec, cfg: JobConfig) -> ModelProfile:
