@@ -28,6 +28,8 @@ __all__ = ["EtcdStore"]
 class EtcdStore(MembershipStore):
     """A run's keys on an etcd server; every request gives up after `request_timeout` seconds."""
 
+    poll_s = 0.02  # thousands of workers polling every 2 ms would swamp it
+
     def __init__(self, host: str, port: int, run_id: str, *, timeout: float = 60.0,
                  request_timeout: float = 5.0) -> None:
         self.host, self.port, self.run_id, self.timeout = host, port, run_id, timeout

@@ -136,7 +136,7 @@ def commit_step(store: MembershipStore, generation: int, step: int, world_size: 
             continue  # read whichever decision won
         if now > next_check:
             next_check = now + 0.05
-        time.sleep(0.002)
+        time.sleep(store.poll_s)
     if decision["outcome"] != "commit":
         raise StepAborted(f"step {step} of generation {generation} was aborted")
     return decision["join"]
@@ -164,7 +164,7 @@ def roll_call(store: MembershipStore, generation: int, me: tuple[int, int], memb
         dead = watcher.dead(set(members) - present, timeout=suspect_after)
         if present | dead == set(members) or time.monotonic() > deadline:
             return sorted(present), sorted(set(members) - present)
-        time.sleep(0.005)
+        time.sleep(max(0.005, store.poll_s))
 
 
 def propose_generation(store: MembershipStore, generation: int, record: dict, timeout: float) -> dict:

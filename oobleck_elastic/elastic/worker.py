@@ -213,7 +213,7 @@ class _Run:
         while self.store.add(key, 0) < len(plan.members):
             if self.watcher.dead(plan.instantiation.nodes) or time.monotonic() > deadline:
                 raise StepAborted(f"a member of generation {plan.generation} died while it was built")
-            time.sleep(0.002)
+            time.sleep(self.store.poll_s)
 
     def _complete(self, generation: int) -> bool:
         inst = self._instantiation(generation)
