@@ -8,7 +8,8 @@ data-parallel under stock torchrun (benchmarks/torchrun_baseline.py, a checkpoin
 with node 1 SIGKILLed, agent and worker, at the same step. For each it prints the time from the
 kill to the first step completed afterwards, the steps of work lost (re-executed beyond the
 interrupted one) and the ratio. For ours it also prints the recovery's phases and the transfer
-throughput beside a raw gloo send/recv of the same number of bytes measured here.
+throughput beside a raw gloo send/recv of the same number of bytes measured here. A third run
+is ours under stock torchrun (`--rdzv-backend=oobleck` on an etcd server started here).
 
 torchrun runs as its docs' fault-tolerant job: `--nnodes=N --max-restarts=3 --rdzv-backend=c10d`,
 the dead node started again at once (a cluster manager replacing the machine at no cost: its
@@ -108,8 +109,47 @@ def run_ours(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
         out.seek(0)
         if proc.returncode:
             raise SystemExit(f"oobleck run failed:\n{out.read()}")
-    kill = _records(f"{tmp}/ours/kill.jsonl")[0]
-    log = _records(f"{tmp}/ours/metrics.jsonl")
+    return _measure(f"{tmp}/ours")
+
+
+def run_ours_under_torchrun(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
+    """The same job under stock torchrun with our rendezvous on etcd: no launcher of ours marks
+    the dead node, so the survivors find it by gloo errors and its still lease."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from etcd_server import etcd_server
+
+    work = f"{tmp}/ours_torchrun"
+    os.makedirs(work, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_FAULT_LOG": f"{work}/kill.jsonl",
+           "OOBLECK_FAULT": f"node={KILLED},step={kill_step},phase=backward"}
+    procs = []
+    with etcd_server() as port:
+        try:
+            for node in range(nodes):
+                with open(f"{work}/node{node}.log", "w") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
+                         "--rdzv-backend=oobleck", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=store=etcd",
+                         "--rdzv-id=bench", "--monitor-interval=0.1", os.path.join(ROOT, "examples/gpt/train.py"),
+                         "--config", CONFIG, "--set", f"train.steps={steps}", "--set", "train.global_batch_size=60",
+                         "--set", f"monitoring.metrics_path={work}/metrics.jsonl",
+                         "--set", f"monitoring.tensorboard_dir={work}/tb", "--set", "checkpoint.interval=0"],
+                        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + 600
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                _kill_tree(proc)
+    if sorted(p.returncode for p in procs)[1:] != [0] * (nodes - 1):
+        raise SystemExit(f"oobleck under torchrun failed: exit codes {[p.returncode for p in procs]}; logs in {work}")
+    return _measure(work)
+
+
+def _measure(work: str) -> dict:
+    """Kill -> next completed step, steps lost and the recovery record of a run of ours."""
+    kill = _records(f"{work}/kill.jsonl")[0]
+    log = _records(f"{work}/metrics.jsonl")
     # the first step of the new generation (a step of the old one may finish just after the kill)
     after = [r for r in log if "step" in r and "event" not in r and r["time"] > kill["time"] and r["generation"] > 0]
     recovery = [r for r in log if r.get("event") == "recovery"][0]
@@ -242,6 +282,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_ours(tmp, args.nodes, args.steps, args.kill_step)
         base = run_torchrun(tmp, args.nodes, args.steps, args.kill_step)
+        under = run_ours_under_torchrun(tmp, args.nodes, args.steps, args.kill_step)
     rec = ours["recovery"]
     print(f"{args.nodes} local nodes, GPT example, node {KILLED} SIGKILLed (agent and worker) at step "
           f"{args.kill_step} (0-based)")
@@ -255,6 +296,10 @@ def main() -> int:
               f"{base['resumed_at']})")
         print(f"  ratio torchrun/oobleck: {base['recover_s'] / ours['recover_s']:.1f}x (goal >= 10x, ours < 1 s)")
     print(f"  torchrun setup: {base['setup']}")
+    print(f"  oobleck_elastic under stock torchrun (--rdzv-backend=oobleck, etcd): kill -> next completed "
+          f"step {under['recover_s']:6.2f} s, steps lost {under['lost_steps']}; phases: "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in under["phases"].items())
+          + " (no launcher marks the node dead: the roll call waits out elastic.rollcall_window_s)")
     print("  our recovery phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in ours["phases"].items())
           + f"; {rec['transfers']} layer copies, {rec['bytes_moved']} bytes; " + "; ".join(rec["actions"]))
     if rec["bytes_moved"]:
