@@ -171,7 +171,8 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if cfg:
         env["OOBLECK_HEARTBEAT_S"] = str(cfg.elastic.heartbeat_interval_s)
-    base = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}",
+    most = nodes + len(args.oobleck_add_node_at_step)
+    base = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}:{most}",
             f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-conf={args.rdzv_conf}", f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
             args.training_script, *args.training_script_args]

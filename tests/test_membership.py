@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, roll_call
+from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, ready_joiners, roll_call
 from oobleck_elastic.elastic.store import host_store
 
 
@@ -30,3 +30,17 @@ def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_one
         beating.stop()
     assert (alive, dead) == ([0, 1, 3], [2])
     assert 1.2 <= took < 30.0, "waited for node 3's check-in, not for the agreement timeout"
+
+
+def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
+    store = host_store("127.0.0.1", 0, "joiners")
+    for node in range(6):
+        store.register_node({"host": "h"})
+    for node in (3, 4, 5):
+        store.set_json(f"nodes/{node}/ready", True)
+    store.set_json("nodes/4/dead", {"why": "test"})
+    assert ready_joiners(store, [0, 1, 2]) == [3, 5], "no limit: every ready, live node"
+    store.set_json("limits", {"min_nodes": 3, "max_nodes": 4})
+    assert ready_joiners(store, [0, 1, 2]) == [3], "room for one more"
+    assert ready_joiners(store, [0, 1, 2, 3]) == [], "full: node 5 waits, ready"
+    assert ready_joiners(store, [0, 3]) == [5], "a member lost makes room"

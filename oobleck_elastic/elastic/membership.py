@@ -107,11 +107,15 @@ class LeaseWatcher:
 
 
 def ready_joiners(store: MembershipStore, members: Iterable[int]) -> list[int]:
-    """Registered nodes, not members and not dead, whose workers are ready to be admitted."""
+    """Registered nodes, not members and not dead, whose workers are ready to be admitted, the
+    oldest first and no more than the job's `max_nodes` (torchrun's `--nnodes=MIN:MAX`) leaves
+    room for: the others wait, ready, until a member is lost."""
     members = set(members)
-    return [n for n in range(store.add("nodes/next", 0))
-            if n not in members and store.try_get_json(f"nodes/{n}/ready")
-            and store.try_get_json(f"nodes/{n}/dead") is None]
+    ready = [n for n in range(store.add("nodes/next", 0))
+             if n not in members and store.try_get_json(f"nodes/{n}/ready")
+             and store.try_get_json(f"nodes/{n}/dead") is None]
+    max_nodes = (store.try_get_json("limits") or {}).get("max_nodes")
+    return ready if max_nodes is None else ready[:max(0, max_nodes - len(members))]
 
 
 def commit_step(store: MembershipStore, generation: int, step: int, world_size: int, members: Iterable[int],

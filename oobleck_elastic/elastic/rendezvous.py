@@ -91,6 +91,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
                         f"only {registered} of {self.min_nodes} nodes joined within {self.timeout:.0f} s; "
                         "start the other nodes with the same --rdzv-endpoint and --rdzv-id")
                 time.sleep(0.05)
+            self.store.create_json("limits", {"min_nodes": self.min_nodes, "max_nodes": self.max_nodes})
             self.store.create_json("generation", {"generation": 0, "nodes": list(range(self.min_nodes)),
                                                   "start_step": 0})
         if node not in self.store.get_json("generation", self.timeout)["nodes"]:

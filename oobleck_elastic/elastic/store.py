@@ -10,6 +10,7 @@ Keys:
     nodes/next         counter handing out node ids
     nodes/<id>         {"host", "pid"} of a registered node
     generation         {"generation", "nodes", "start_step"}: the current generation
+    limits             {"min_nodes", "max_nodes"} of the job (torchrun's --nnodes=MIN:MAX)
     profile            the profile file every worker plans from (written once)
     progress           the latest step record, for the launcher's progress line
     done               set when training finished
