@@ -114,3 +114,11 @@ def test_etcd_without_the_v2_api_is_a_clear_error():
     with etcd_server(v2=False) as port:
         with pytest.raises(StoreUnreachable, match=r"failed a request .*404.*is its v2 API on \(etcd --enable-v2\)"):
             connect_store(f"etcd://127.0.0.1:{port}", "nov2")
+
+
+def test_delete(etcd_port):
+    store = connect_store(f"etcd://127.0.0.1:{etcd_port}", "delete")
+    store.set_json("gen0/step1/decision", {"outcome": "commit"})
+    store.delete("gen0/step1/decision")
+    store.delete("gen0/step1/decision")  # gone already: nothing to do
+    assert store.try_get_json("gen0/step1/decision") is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, ready_joiners, roll_call
+from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, commit_step, ready_joiners, roll_call
 from oobleck_elastic.elastic.store import host_store
 
 
@@ -44,3 +44,14 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
     assert ready_joiners(store, [0, 1, 2]) == [3], "room for one more"
     assert ready_joiners(store, [0, 1, 2, 3]) == [], "full: node 5 waits, ready"
     assert ready_joiners(store, [0, 3]) == [5], "a member lost makes room"
+
+
+def test_a_commit_removes_the_previous_steps_keys():
+    store = host_store("127.0.0.1", 0, "commits")
+    watcher = LeaseWatcher(store, timeout=30.0)
+    for step in range(3):
+        assert commit_step(store, 0, step, 1, [0], watcher, timeout=10.0) == []
+    assert store.try_get_json("gen0/step2/decision") == {"outcome": "commit", "join": []}
+    for step in (0, 1):
+        assert store.try_get_json(f"gen0/step{step}/decision") is None
+        assert store.add(f"gen0/step{step}/ready", 0) == 0

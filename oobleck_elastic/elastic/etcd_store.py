@@ -97,6 +97,12 @@ class EtcdStore(MembershipStore):
         except etcd.EtcdAlreadyExist:
             return False
 
+    def delete(self, key: str) -> None:
+        try:
+            self._call(self._client.delete, self._key(key))
+        except etcd.EtcdKeyNotFound:
+            pass
+
     def torch_store(self) -> dist.Store:
         # One object, held here: a c10d store written in Python stops working ("Not
         # implemented") once its Python object is collected, even while a PrefixStore or a

@@ -10,6 +10,7 @@ Note: [step transaction]
     late commit cannot race an abort: exactly one decision exists. Committed: every survivor
     applies its optimizer step (local work, nothing can fail remotely). Aborted: gradients are
     dropped everywhere and the step is replayed with the same samples in generation g+1.
+    The worker whose commit wins deletes the keys of step k-1, which everyone has read by then.
 
 Note: [roll call]
     After a failure every surviving worker checks in under `rollcall/<g>/<node>/<rank>`. The
@@ -126,7 +127,11 @@ def commit_step(store: MembershipStore, generation: int, step: int, world_size: 
     members = list(members)
     if store.add(f"{key}/ready", 1) == world_size:
         joiners = ready_joiners(store, members)
-        store.create_json(f"{key}/decision", {"outcome": "commit", "join": joiners})
+        if store.create_json(f"{key}/decision", {"outcome": "commit", "join": joiners}):
+            # Everyone reported ready for this step, so everyone has read the previous step's
+            # decision: its keys can go (a long run would otherwise pile up two keys a step).
+            for name in ("ready", "decision"):
+                store.delete(f"gen{generation}/step{step - 1}/{name}")
     deadline = time.monotonic() + timeout
     next_check = time.monotonic() + 0.05
     while True:

@@ -78,6 +78,10 @@ class MembershipStore(abc.ABC):
         """Sets `key` only if it does not exist (compare-and-set); True if this call set it."""
 
     @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Removes `key` if it exists."""
+
+    @abc.abstractmethod
     def torch_store(self) -> dist.Store:
         """A torch Store for process groups (each generation prefixes it)."""
 
@@ -121,6 +125,9 @@ class EmbeddedStore(MembershipStore):
     def create_json(self, key: str, value: Any) -> bool:
         text = json.dumps(value)
         return self._store.compare_set(key, "", text).decode() == text
+
+    def delete(self, key: str) -> None:
+        self._store.delete_key(key)
 
     def torch_store(self) -> dist.Store:
         return self._store
