@@ -149,13 +149,10 @@ def _local_store(args: argparse.Namespace, run_id: str):
     `--rdzv-conf store=etcd` and `--rdzv-endpoint` name. Returns it and the nodes' endpoint."""
     from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
-    from oobleck_elastic.elastic.rendezvous import STORES
+    from oobleck_elastic.elastic.rendezvous import store_kind
     from oobleck_elastic.elastic.store import connect_store, host_store
 
-    kind = _parse_rendezvous_config(args.rdzv_conf).get("store", "embedded")
-    if kind not in STORES:
-        raise OobleckError(f"--rdzv-conf store={kind} is not a membership store; use one of {', '.join(STORES)}")
-    if kind == "etcd":
+    if store_kind(_parse_rendezvous_config(args.rdzv_conf)) == "etcd":
         endpoint = args.rdzv_endpoint or "127.0.0.1:2379"
         return connect_store(f"etcd://{endpoint}", run_id), endpoint
     port = int(args.rdzv_endpoint.rpartition(":")[2]) if args.rdzv_endpoint else 0

@@ -40,10 +40,9 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
         store.set_json(f"nodes/{node}/ready", True)
     store.set_json("nodes/4/dead", {"why": "test"})
     assert ready_joiners(store, [0, 1, 2]) == [3, 5], "no limit: every ready, live node"
-    store.set_json("limits", {"min_nodes": 3, "max_nodes": 4})
-    assert ready_joiners(store, [0, 1, 2]) == [3], "room for one more"
-    assert ready_joiners(store, [0, 1, 2, 3]) == [], "full: node 5 waits, ready"
-    assert ready_joiners(store, [0, 3]) == [5], "a member lost makes room"
+    assert ready_joiners(store, [0, 1, 2], max_nodes=4) == [3], "room for one more"
+    assert ready_joiners(store, [0, 1, 2, 3], max_nodes=4) == [], "full: node 5 waits, ready"
+    assert ready_joiners(store, [0, 3], max_nodes=4) == [5], "a member lost makes room"
 
 
 def test_a_commit_removes_the_previous_steps_keys():

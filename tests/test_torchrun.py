@@ -60,8 +60,9 @@ def test_a_finished_run_refuses_new_nodes_and_a_client_never_hosts():
 
 
 def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: str = "",
-                 extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
-    """`nodes` torchrun processes (each its own session, so a fault kills one node), waited for."""
+                 extra: tuple[str, ...] = (), during=None) -> list[subprocess.Popen]:
+    """`nodes` torchrun processes (each its own session, so a fault kills one node), waited for;
+    `during(procs)`, if given, runs while they do."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_FAULT": fault}
     procs = []
     for node in range(nodes):
@@ -73,6 +74,8 @@ def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: st
                 cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + 300
     try:
+        if during:
+            during(procs)
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
@@ -126,30 +129,17 @@ def test_a_worker_torch_restarts_comes_back_as_a_new_node(tmp_path):
     alone = subprocess.run([sys.executable, SCRIPT, *job_args(tmp_path, "ref"), *longer], cwd=tmp_path,
                            capture_output=True, text=True, timeout=300)
     assert alone.returncode == 0, alone.stderr
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = []
-    for node in range(3):
-        with open(tmp_path / f"torchrun{node}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [*TORCHRUN, "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=oobleck", "--max-restarts=1",
-                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=torchruntest", "--monitor-interval=0.1",
-                 SCRIPT, *job_args(tmp_path, "job"), *longer],
-                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    try:
+
+    def kill_a_worker_of_node_2(procs) -> None:
         metrics = tmp_path / "job/metrics.jsonl"
         deadline = time.monotonic() + 200
         while not (metrics.exists() and '"step": 1' in metrics.read_text()):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, 3)
             time.sleep(0.1)
         node_worker("torchruntest", 2).kill()
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+
+    procs = run_torchrun(tmp_path, 3, f"127.0.0.1:{free_port()}", ["--max-restarts=1"],
+                         extra=("--set", f"train.steps={steps}"), during=kill_a_worker_of_node_2)
     assert [p.returncode for p in procs] == [0, 0, 0], logs(tmp_path, 3)
     assert "node 2] workers restarted: rejoining the run as a new node" in logs(tmp_path, 3)
     log = records(tmp_path / "job/metrics.jsonl")

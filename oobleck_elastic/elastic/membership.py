@@ -107,26 +107,25 @@ class LeaseWatcher:
         return None
 
 
-def ready_joiners(store: MembershipStore, members: Iterable[int]) -> list[int]:
+def ready_joiners(store: MembershipStore, members: Iterable[int], max_nodes: int | None = None) -> list[int]:
     """Registered nodes, not members and not dead, whose workers are ready to be admitted, the
-    oldest first and no more than the job's `max_nodes` (torchrun's `--nnodes=MIN:MAX`) leaves
-    room for: the others wait, ready, until a member is lost."""
+    oldest first and no more than `max_nodes` (the job's `limits`, torchrun's `--nnodes=MIN:MAX`)
+    leaves room for: the others wait, ready, until a member is lost."""
     members = set(members)
     ready = [n for n in range(store.add("nodes/next", 0))
              if n not in members and store.try_get_json(f"nodes/{n}/ready")
              and store.try_get_json(f"nodes/{n}/dead") is None]
-    max_nodes = (store.try_get_json("limits") or {}).get("max_nodes")
     return ready if max_nodes is None else ready[:max(0, max_nodes - len(members))]
 
 
 def commit_step(store: MembershipStore, generation: int, step: int, world_size: int, members: Iterable[int],
-                watcher: LeaseWatcher, timeout: float) -> list[int]:
+                watcher: LeaseWatcher, timeout: float, max_nodes: int | None = None) -> list[int]:
     """Reports this worker ready for `step` and waits for the decision (Note: [step transaction]).
     Returns the nodes to admit after this step; raises StepAborted if the step was aborted."""
     key = f"gen{generation}/step{step}"
     members = list(members)
     if store.add(f"{key}/ready", 1) == world_size:
-        joiners = ready_joiners(store, members)
+        joiners = ready_joiners(store, members, max_nodes)
         if store.create_json(f"{key}/decision", {"outcome": "commit", "join": joiners}):
             # Everyone reported ready for this step, so everyone has read the previous step's
             # decision: its keys can go (a long run would otherwise pile up two keys a step).

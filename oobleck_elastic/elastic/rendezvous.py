@@ -35,12 +35,21 @@ from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, mark_dead
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreUnreachable
+from oobleck_elastic.errors import ConfigError
 
-__all__ = ["OobleckRendezvousHandler", "create_handler", "handler_entry_point", "open_store"]
+__all__ = ["OobleckRendezvousHandler", "create_handler", "handler_entry_point", "open_store", "store_kind"]
 
 logger = logging.getLogger(__name__)
 
 STORES = ("embedded", "etcd")
+
+
+def store_kind(conf: dict) -> str:
+    """The membership store `--rdzv-conf store=...` names (default `embedded`)."""
+    kind = str(conf.get("store", "embedded"))
+    if kind not in STORES:
+        raise ConfigError(f"--rdzv-conf store={kind} is not a membership store; use one of {', '.join(STORES)}")
+    return kind
 
 
 class OobleckRendezvousHandler(RendezvousHandler):
@@ -62,6 +71,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
     @property
     def use_agent_store(self) -> bool:
         return False
+
+    @property
+    def hosting(self) -> bool:
+        """Whether this agent hosts the (embedded) store the others use."""
+        return isinstance(self.store, EmbeddedStore) and self.store.is_master
 
     def _register(self) -> int:
         if self.node is None and self.store.try_get_json("done") is not None:
@@ -125,13 +139,13 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if self.node is None:
             return True
         self._heartbeat.stop()
-        if isinstance(self.store, EmbeddedStore) and not self.store.is_master:
+        if isinstance(self.store, EmbeddedStore) and not self.hosting:
             self.store.set_timeout(10.0)  # leaving is best effort: never block for long
         try:
             if self.store.try_get_json("done") is None:
                 mark_dead(self.store, self.node, "its agent stopped before the run finished")
             self.store.set_json(f"nodes/{self.node}/left", True)
-            if getattr(self.store, "is_master", False):
+            if self.hosting:
                 self._wait_for_others_to_leave()
         except (torch.distributed.DistError, StoreUnreachable) as exc:  # its host is gone
             logger.warning("[node %d] could not leave the run cleanly: %s", self.node, str(exc).splitlines()[0])
@@ -161,9 +175,7 @@ def _free_port() -> int:
 def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
     """The store `--rdzv-conf store=...` names at `--rdzv-endpoint`: `embedded` (default; an
     agent on the endpoint's machine hosts a TCPStore there) or `etcd` (a v2 etcd server)."""
-    kind = str(params.get("store", "embedded"))
-    if kind not in STORES:
-        raise ValueError(f"--rdzv-conf store={kind} is not a membership store; use one of {', '.join(STORES)}")
+    kind = store_kind(params.config)
     default_port = 2379 if kind == "etcd" else 29400
     host, _, port = (params.endpoint or f"127.0.0.1:{default_port}").rpartition(":")
     host, port = host or "127.0.0.1", int(port or default_port)
@@ -171,7 +183,7 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
         from oobleck_elastic.elastic.etcd_store import EtcdStore
 
         if params.run_id in ("", "none"):
-            raise ValueError("--rdzv-id is required with --rdzv-conf store=etcd: a run's records stay "
+            raise ConfigError("--rdzv-id is required with --rdzv-conf store=etcd: a run's records stay "
                              "in etcd, so each job needs an id of its own")
         return EtcdStore(host, port, params.run_id, timeout=timeout)
     # Only the endpoint's machine hosts the store (or the one `is_host` names, where names are
@@ -189,7 +201,7 @@ def create_handler(params: RendezvousParameters) -> OobleckRendezvousHandler:
     timeout = float(params.get("join_timeout", 600))
     heartbeat = float(params.get("heartbeat_interval", os.environ.get("OOBLECK_HEARTBEAT_S", 0.5)))
     if heartbeat <= 0:
-        raise ValueError(f"--rdzv-conf heartbeat_interval must be > 0 seconds, got {heartbeat}")
+        raise ConfigError(f"--rdzv-conf heartbeat_interval must be > 0 seconds, got {heartbeat}")
     return OobleckRendezvousHandler(open_store(params, timeout), min_nodes=params.min_nodes,
                                     max_nodes=params.max_nodes, timeout=timeout, heartbeat_interval=heartbeat)
 

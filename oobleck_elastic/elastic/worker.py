@@ -22,7 +22,7 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import LayersLostError, OobleckError
 from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import LeaseWatcher, StepAborted, commit_step, decide_abort, propose_generation, roll_call
-from oobleck_elastic.elastic.store import MembershipStore, StoreUnreachable, connect_store, host_store
+from oobleck_elastic.elastic.store import MembershipStore, connect_store, host_store
 from oobleck_elastic.elastic.reporting import RunReport
 from oobleck_elastic.planning import (
     Instantiation,
@@ -132,9 +132,11 @@ class _Run:
         self.records: dict[int, dict] = {}
         self.last_transfers: list = []
         self.failed_at: float | None = None
+        self.max_nodes: int | None = None  # the job's limit on nodes, read once at the start
 
     def start(self) -> None:
         record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
+        self.max_nodes = (self.store.try_get_json("limits") or {}).get("max_nodes")  # written before it
         first = self.store.try_get_json("generation/0") or record
         nodes = first["nodes"]
         profile = _profile(self.store, self.env, min(nodes), self.model, self.cfg)
@@ -230,7 +232,8 @@ class _Run:
         if self.fault:
             self.fault("commit")
         joiners = commit_step(self.store, plan.generation, computed.stats.step, len(plan.members),
-                              plan.instantiation.nodes, self.watcher, self.cfg.elastic.agreement_timeout_s)
+                              plan.instantiation.nodes, self.watcher, self.cfg.elastic.agreement_timeout_s,
+                              self.max_nodes)
         if self.report:
             self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
@@ -422,8 +425,6 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
         run.run()
     except RunFinished as exc:
         logger.warning("%s", exc)
-    except StoreUnreachable:
-        raise  # its message says what to do
     except (dist.DistNetworkError, dist.DistStoreError) as exc:
         raise OobleckError(
             f"the membership store at {store.url} is unreachable ({str(exc).splitlines()[0][:120]}); "
