@@ -119,7 +119,7 @@ def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str) ->
                  for i in trainer.layers.layers}
         torch.save({"records": records, "state": state, "sums": sums, "norms": norms, "usage": usage},
                    os.path.join(outdir, f"node{node}.pt"))
-        trainer.close()
+        trainer.shutdown()
     except BaseException:
         with open(os.path.join(outdir, f"node{node}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -192,7 +192,7 @@ def reference(steps: int, overrides=()):
     params = [p for s in layers for p in s.params]
     for step in range(steps):
         x, y = data.batch(order.indices(step, cfg.train.global_batch_size))
-        loss = spec.loss(model(x), y) / cfg.train.global_batch_size
+        loss = spec.loss(model(x), y)  # a mean over the whole global batch
         loss.backward()
         if cfg.train.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip_norm)

@@ -43,6 +43,10 @@ class SyntheticTokens:
             tokens[t] = self.successor[tokens[t - 1]] if follow[t] else noise[t]
         return tokens
 
+    def target_count(self, indices: Iterable[int]) -> int:
+        """Every target token counts (runtime.data Note: [loss count])."""
+        return len(list(indices)) * self.cfg.seq_len
+
     def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.stack([self.sample(i) for i in indices])
         return rows[:, :-1], rows[:, 1:]

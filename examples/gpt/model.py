@@ -16,7 +16,8 @@ from torch import nn
 
 from oobleck_elastic.config import parse_section
 from oobleck_elastic.errors import ConfigError
-from oobleck_elastic.runtime.model import LayerSpec, ModelSpec
+from oobleck_elastic.models.sequential import sequential_model
+from oobleck_elastic.runtime.model import ModelSpec
 
 __all__ = ["GPTConfig", "gpt_model", "parse_gpt_config"]
 
@@ -104,24 +105,24 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
-def sequence_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum over samples of each sample's mean token cross-entropy (see runtime.model Note: [loss])."""
-    per_token = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
-    return per_token.mean(dim=1).sum().to(logits.dtype)
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy (runtime.model Note: [loss]); bf16 logits are upcast."""
+    flat = logits.flatten(0, 1)
+    return F.cross_entropy(flat if flat.dtype in (torch.float32, torch.float64) else flat.float(), targets.flatten())
 
 
 def gpt_model(cfg: GPTConfig) -> ModelSpec:
-    """The GPT example as a ModelSpec (n_layers + 2 layers)."""
+    """The GPT example as a ModelSpec (n_layers + 2 layers: embed, block0.., head)."""
     from examples.gpt.data import SyntheticTokens
 
-    layers = [LayerSpec("embed", lambda: Embedding(cfg))]
-    layers += [LayerSpec(f"block{i}", lambda: Block(cfg)) for i in range(cfg.n_layers)]
-    layers.append(LayerSpec("head", lambda: Head(cfg)))
+    factories = [lambda: Embedding(cfg)] + [lambda: Block(cfg)] * cfg.n_layers + [lambda: Head(cfg)]
+    names = ["embed", *(f"block{i}" for i in range(cfg.n_layers)), "head"]
     data = SyntheticTokens(cfg, seed=0)
 
     def sample_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return data.batch(range(size))
 
-    sizes = ",".join(f"{k}={v}" for k, v in asdict(cfg).items() if k != "dataset_size")
-    return ModelSpec(layers=tuple(layers), loss=sequence_loss, sample_batch=sample_batch,
-                     signature=f"examples.gpt({sizes})")
+    sizes = {k: v for k, v in asdict(cfg).items() if k != "dataset_size"}
+    return sequential_model(factories, names=names, loss=token_loss, sample_batch=sample_batch,
+                            name="examples.gpt", description={"gpt": sizes}, vocab_size=cfg.vocab_size,
+                            max_positions=cfg.seq_len)

@@ -4,6 +4,7 @@ from oobleck_elastic.config.loader import apply_overrides, load_config, read_yam
 from oobleck_elastic.config.parse import parse_section
 from oobleck_elastic.config.schema import (
     CheckpointConfig,
+    DataConfig,
     ElasticConfig,
     JobConfig,
     LRScheduleConfig,
@@ -15,7 +16,7 @@ from oobleck_elastic.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "ElasticConfig", "JobConfig", "LRScheduleConfig", "MonitoringConfig",
+    "CheckpointConfig", "DataConfig", "ElasticConfig", "JobConfig", "LRScheduleConfig", "MonitoringConfig",
     "OptimizerConfig", "PlannerConfig", "TrainConfig", "apply_overrides", "load_config",
     "parse_bytes", "parse_section", "read_yaml",
 ]

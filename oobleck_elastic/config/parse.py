@@ -67,6 +67,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if dataclasses.is_dataclass(tp):
         return "a mapping"
+    if get_origin(tp) is tuple:
+        return "a list"
     if get_origin(tp) in (Mapping, dict) or tp in (dict, Mapping):
         return "a mapping"
     return getattr(tp, "__name__", str(tp))
@@ -96,6 +98,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         return value
     if dataclasses.is_dataclass(tp):
         return parse_section(tp, value, path)
+    if origin is tuple:  # tuple[X, ...]: a YAML list of X
+        if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        item = get_args(tp)[0]
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if origin in (Mapping, dict) or tp in (dict, Mapping):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")

@@ -22,6 +22,7 @@ __all__ = [
     "TrainConfig",
     "PlannerConfig",
     "CheckpointConfig",
+    "DataConfig",
     "MonitoringConfig",
     "ElasticConfig",
     "JobConfig",
@@ -141,6 +142,9 @@ class TrainConfig:
     virtual_stages: int = 2
     """Interleaved1F1B only: stages per worker (the model is split into this many times the
     pipeline's worker count; worker w runs stages w, w + S, ...)."""
+    no_weight_decay: tuple[str, ...] = ()
+    """Parameter-name patterns (fnmatch, on the model's own names, e.g. '*.bias', '*norm*',
+    '*wte*') that get weight_decay 0; every other parameter gets the optimizer's."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "microbatch_size", "steps"):
@@ -172,6 +176,28 @@ class TrainConfig:
     def stages_per_worker(self) -> int:
         """Pipeline stages each worker runs: virtual_stages when interleaved, else 1."""
         return self.virtual_stages if self.schedule == "Interleaved1F1B" else 1
+
+
+TokenDtype = Literal["uint16", "uint32"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training data: a flat binary file of token ids (`python -m oobleck_elastic.data.prepare`
+    writes one), or none when the training script brings its own dataset."""
+
+    tokens: str | None = None
+    """Path of the token file; sample i is tokens[i*T:(i+1)*T] -> tokens[i*T+1:(i+1)*T+1]."""
+    token_dtype: TokenDtype = "uint16"
+    """Element type of the token file: uint16 (vocabularies up to 65,536) or uint32."""
+    seq_len: int = 128
+    """T: tokens per sample."""
+    shuffle: bool = True
+    """Visit samples in a permutation seeded by train.seed (each epoch its own); false: global
+    position j of the run is sample j mod N."""
+
+    def __post_init__(self) -> None:
+        _check(self.seq_len >= 1, f"data.seq_len must be >= 1, got {self.seq_len}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +303,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     fault_tolerance: int = 1
     """f: any f simultaneous node failures are recovered in memory."""
+    data: DataConfig = field(default_factory=DataConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)

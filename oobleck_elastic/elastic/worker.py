@@ -395,7 +395,7 @@ class _Run:
             self.report.final(self.trainer.completed_steps, sums, norms)
 
     def close(self) -> None:
-        self.trainer.close()
+        self.trainer.shutdown()
         if self.report:
             self.report.close()
 

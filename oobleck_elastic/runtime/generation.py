@@ -83,12 +83,30 @@ class Generation:
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self.grad_groups.append((group, layer_ids))
+        self.tie_groups, self._tied = self._make_tie_groups(timeout)
         self.stages: list[PipelineStage] = []
         self.stage_modules: list[StageModule] = []
         self.schedule = None
         self._loss_fn = loss_fn
         self._schedule_name = schedule
         self._fault = fault
+
+    def _make_tie_groups(self, timeout: timedelta) -> tuple[list, dict[int, set[str]]]:
+        """One group per tied parameter over every rank holding a copy (runtime.model Note:
+        [tied parameters]), and the tied names of each held layer (left out of the per-layer
+        sums: their gradient is summed over all copies instead)."""
+        held = set(self.held_layers())
+        groups, tied = [], {}
+        for shared in self.layers.model.shared:
+            layers_of = {layer for layer, _ in shared.members}
+            ranks = sorted(r for r, role in self.plan.roles.items() if layers_of & set(role.layer_ids))
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            mine = [(layer, name) for layer, name in shared.members if layer in held]
+            if mine:
+                groups.append((group, mine))
+                for layer, name in mine:
+                    tied.setdefault(layer, set()).add(name)
+        return groups, tied
 
     def _pipeline_rank_sets(self) -> list[set[int]]:
         sets: dict[int, set[int]] = {}
@@ -145,24 +163,41 @@ class Generation:
     def sync_gradients(self) -> None:
         """Sums each layer's gradient over its replicas: one flat all-reduce per replica set."""
         self._fault("grad_sync")
-        pending = []
+        pending, tied = [], []
         for group, layer_ids in self.grad_groups:
-            grads = [g for i in layer_ids for g in self.layers[i].grads()]
-            flat = _flatten_dense_tensors(grads)
-            pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, grads))
+            grads = [g for i in layer_ids for g in self.layers[i].grads(exclude=self._tied.get(i, ()))]
+            if grads:
+                flat = _flatten_dense_tensors(grads)
+                pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, grads))
+        for group, copies in self.tie_groups:
+            grads = [self.layers[layer].grad_of(name) for layer, name in copies]
+            total = torch.stack(grads).sum(dim=0)
+            tied.append((dist.all_reduce(total, group=group, async_op=True) if group is not None else None,
+                         total, grads))
         for work, flat, grads in pending:
             work.wait()
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
+        for work, total, grads in tied:
+            if work is not None:
+                work.wait()
+            for g in grads:
+                g.copy_(total)
         pending.clear()
+        tied.clear()
 
-    def reduce_stats(self, loss_sum: float, samples: int) -> tuple[float, int, float]:
-        """World-wide (loss sum, samples, squared grad norm with each layer counted once)."""
+    def reduce_stats(self, loss_sum: float, samples: int, tokens: int = 0) -> tuple[float, int, float, int]:
+        """World-wide (loss sum, samples, squared grad norm, tokens): each layer counted once in
+        the norm and each tied parameter once (its canonical copy)."""
         owned = [i for i, r in self.plan.layer_owner.items() if r == self.rank]
-        sq = sum(float(sum(g.double().pow(2).sum() for g in self.layers[i].grads())) for i in owned)
-        stats = torch.tensor([loss_sum, float(samples), sq], dtype=torch.float64)
+        copies = self.layers.model.tied_copies()
+        sq = 0.0
+        for i in owned:
+            extra = {name for name, canon in copies.get(i, {}).items() if canon != (i, name)}
+            sq += float(sum(g.double().pow(2).sum() for g in self.layers[i].grads(exclude=extra)))
+        stats = torch.tensor([loss_sum, float(samples), sq, float(tokens)], dtype=torch.float64)
         dist.all_reduce(stats)
-        return float(stats[0]), int(round(float(stats[1]))), float(stats[2])
+        return float(stats[0]), int(round(float(stats[1]))), float(stats[2]), int(round(float(stats[3])))
 
     def held_layers(self) -> tuple[int, ...]:
         return self.role.layer_ids if self.role else ()

@@ -8,8 +8,9 @@ counter) can be copied to another worker as one unit.
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -35,14 +36,31 @@ def lr_factor(schedule: LRScheduleConfig, step: int, total_steps: int) -> float:
     return schedule.min_ratio + (1 - schedule.min_ratio) * shape
 
 
-class LayerState:
-    """One layer's module and optimizer."""
+def _param_groups(named: list[tuple[str, nn.Parameter]], train: TrainConfig,
+                  canonical: Mapping[str, str]) -> list[dict]:
+    """One group, or two when train.no_weight_decay names some parameters (matched on the
+    model's own names; a tied copy goes by its canonical name, so all copies decay alike)."""
+    patterns = train.no_weight_decay
+    if not patterns:
+        return [{"params": [p for _, p in named]}]
+    plain, exempt = [], []
+    for name, p in named:
+        key = canonical.get(name, name)
+        (exempt if any(fnmatch.fnmatchcase(key, pat) for pat in patterns) else plain).append(p)
+    return [g for g in ({"params": plain}, {"params": exempt, "weight_decay": 0.0}) if g["params"]]
 
-    def __init__(self, module: nn.Module, train: TrainConfig) -> None:
+
+class LayerState:
+    """One layer's module and optimizer. `canonical` maps the names of this layer's tied copies
+    to their canonical parameter's name (runtime.model Note: [tied parameters])."""
+
+    def __init__(self, module: nn.Module, train: TrainConfig, canonical: Mapping[str, str] | None = None) -> None:
         self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named_params]
         cls = getattr(torch.optim, train.optimizer.name)
-        self.optimizer = cls(self.params, **dict(train.optimizer.kwargs)) if self.params else None
+        groups = _param_groups(self.named_params, train, canonical or {})
+        self.optimizer = cls(groups, **dict(train.optimizer.kwargs)) if self.params else None
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
 
     def set_lr(self, factor: float) -> None:
@@ -54,12 +72,18 @@ class LayerState:
         for p in self.params:
             p.grad = None
 
-    def grads(self) -> list[torch.Tensor]:
-        """Gradients, materialising zeros for parameters that got none this step."""
+    def grads(self, exclude: Iterable[str] = ()) -> list[torch.Tensor]:
+        """Gradients (of every parameter but those named in `exclude`), materialising zeros for
+        parameters that got none this step."""
+        skip = set(exclude)
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]
+        return [p.grad for n, p in self.named_params if n not in skip]
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        self.grads()
+        return self.module.get_parameter(name).grad
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything a replica of this layer is made of, in a fixed order: parameters and
@@ -100,7 +124,8 @@ class LayerStore:
 
     def materialize(self, index: int) -> LayerState:
         module = materialize_layer(self.model, index, seed=self.train.seed, dtype=self.dtype, device=self.device)
-        state = LayerState(module, self.train)
+        canonical = {name: canon for name, (_, canon) in self.model.tied_copies().get(index, {}).items()}
+        state = LayerState(module, self.train, canonical)
         self.layers[index] = state
         return state
 

@@ -1,58 +1,132 @@
-"""The model interface: an ordered list of layer factories plus a loss.
+"""The model interface: an ordered list of layers, a mean loss, and the parameters layers share.
 
 Note: [layer initialisation]
     Layer i is built by its factory inside a forked RNG seeded from (seed, i), so every worker
     that materialises layer i gets identical weights without a broadcast, whatever other layers
-    it builds and in whatever order.
+    it builds and in whatever order. Factories that load weights (a Hugging Face directory) or
+    copy a given module are identical everywhere anyway; the seed then changes nothing.
+
+Note: [parameter names]
+    The keys of a layer module's state_dict are the model's own names (GPT-2's embedding layer
+    holds `transformer.wte.weight`, layer 3 of an nn.Sequential holds `3.weight`). Merging every
+    layer's state_dict gives the model's state_dict, so checkpoints and exports need no mapping,
+    and `train.no_weight_decay` patterns match the names users know. A name appears in one layer
+    only, except a tied parameter, whose copies each keep their own name (see below).
 
 Note: [loss]
-    `ModelSpec.loss(output, target)` returns the *sum* over the microbatch's samples of each
-    sample's loss (for a language model: the mean over its tokens). The runtime divides by the
-    global batch size, so the gradient is the mean over the global batch whichever pipeline and
-    microbatch a sample lands in.
+    `ModelSpec.loss(output, target)` is a mean, the convention of every library: over the
+    target's counted elements, `loss_count(target)` (for integer targets those that are not
+    -100, else every element). The runtime turns each microbatch's mean back into a sum
+    (times its count) and divides by the count of the whole global batch, which the data gives
+    before the step. The gradient is then that of the mean over the global batch, whatever the
+    pipeline and microbatch split and however many counted tokens each microbatch holds.
+
+Note: [tied parameters]
+    A SharedParameter names the copies of one logical parameter in several layers (GPT-2's
+    `transformer.wte.weight` in the embedding and `lm_head.weight` in the head). Each layer
+    keeps its own copy, so a layer stays the one unit of placement, transfer, checkpoint and
+    optimizer state. Before the optimizer step the runtime sums the gradients of every copy
+    over every replica (one all-reduce over all their holders), so every copy gets the same
+    gradient and the same update and all stay bit-identical. The first member is canonical: it
+    alone counts in the gradient norm, and its name picks the weight-decay group of all copies.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "ModelSpec", "layer_seed", "materialize_layer", "materialize_layers", "DTYPES"]
+__all__ = ["LayerSpec", "ModelSpec", "SharedParameter", "counted_elements", "layer_seed",
+           "materialize_layer", "model_fingerprint", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+IGNORE_INDEX = -100
+
+
+def counted_elements(target: torch.Tensor) -> int:
+    """Elements a mean loss averages over: integer targets not equal to -100, else all."""
+    if target.is_floating_point():
+        return target.numel()
+    return int((target != IGNORE_INDEX).sum())
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One entry of the model's layer list."""
+    """One entry of the model's layer list: `factory()` builds its module, whose state_dict
+    keys are the model's own names (Note: [parameter names])."""
 
     name: str
     factory: Callable[[], nn.Module]
 
 
 @dataclass(frozen=True)
+class SharedParameter:
+    """Copies of one parameter in several layers: ((layer index, parameter name), ...), the
+    first canonical (Note: [tied parameters])."""
+
+    members: tuple[tuple[int, str], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.members) < 2 or len({layer for layer, _ in self.members}) != len(self.members):
+            raise ValueError(f"a shared parameter needs copies in at least two different layers, got {self.members}")
+
+    @property
+    def canonical(self) -> tuple[int, str]:
+        return self.members[0]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A model as the planner and runtime see it."""
 
+    name: str
+    """Short name for logs and profile files (e.g. 'gpt2', 'sequential')."""
     layers: tuple[LayerSpec, ...]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """(last layer's output, target) -> summed per-sample loss (see Note: [loss])."""
+    """(last layer's output, target) -> the mean loss of the microbatch (Note: [loss])."""
     sample_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
     """microbatch size -> (input, target) of that size, used by the profiler."""
-    signature: str
-    """Identifies architecture and sizes; part of the profile cache key."""
+    description: Mapping[str, Any] = field(default_factory=dict)
+    """JSON-able architecture configuration; with the layers' parameter shapes and dtypes it
+    makes the model's fingerprint (the profile-cache key)."""
+    shared: tuple[SharedParameter, ...] = ()
+    """Tied parameters (Note: [tied parameters])."""
+    loss_count: Callable[[torch.Tensor], int] = counted_elements
+    """target -> how many elements `loss` averages over."""
+    export: Mapping[str, Any] = field(default_factory=lambda: {"format": "safetensors"})
+    """How `python -m oobleck_elastic.export` writes the model's own format (JSON-able)."""
+    vocab_size: int | None = None
+    """Token ids must be below this (checked on the data); None: inputs are not token ids."""
+    max_positions: int | None = None
+    """Longest sequence the model takes; None: no limit."""
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a model needs at least one layer")
+        for group in self.shared:
+            for layer, _ in group.members:
+                if not 0 <= layer < len(self.layers):
+                    raise ValueError(f"shared parameter {group.members} names layer {layer}, but the model "
+                                     f"has {len(self.layers)} layers")
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def tied_copies(self) -> dict[int, dict[str, tuple[int, str]]]:
+        """layer -> {parameter name -> canonical (layer, name)} for every copy of a tied parameter."""
+        out: dict[int, dict[str, tuple[int, str]]] = {}
+        for group in self.shared:
+            for layer, name in group.members:
+                out.setdefault(layer, {})[name] = group.canonical
+        return out
 
 
 def layer_seed(seed: int, index: int) -> int:
@@ -70,6 +144,18 @@ def materialize_layer(spec: ModelSpec, index: int, *, seed: int, dtype: torch.dt
     return module.to(device=device, dtype=dtype)
 
 
-def materialize_layers(spec: ModelSpec, indices: Sequence[int], *, seed: int, dtype: torch.dtype,
-                       device: torch.device | str = "cpu") -> nn.ModuleList:
-    return nn.ModuleList(materialize_layer(spec, i, seed=seed, dtype=dtype, device=device) for i in indices)
+def model_fingerprint(spec: ModelSpec, dtype: torch.dtype) -> str:
+    """A digest of the architecture: its description and every layer's module type, parameter
+    and buffer names, shapes and dtypes (built on the meta device: nothing is allocated or
+    loaded). Two models with the same fingerprint profile the same."""
+    layers = []
+    for i, layer in enumerate(spec.layers):
+        with torch.device("meta"):
+            module = layer.factory()
+        module = module.to(dtype=dtype)
+        state = [(k, list(v.shape), str(v.dtype)) for k, v in module.state_dict(keep_vars=True).items()]
+        layers.append([layer.name, type(module).__qualname__, state])
+    blob = json.dumps({"description": spec.description, "layers": layers,
+                       "shared": [list(map(list, g.members)) for g in spec.shared]}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+

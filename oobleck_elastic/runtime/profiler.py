@@ -9,8 +9,9 @@ For each layer, on the local device, with the job's microbatch size and dtype:
   * output_bytes: the layer's output, what crosses a stage boundary.
 
 The profile file (format in `planning.profile`) lives in `planner.profile_dir`, named by a hash
-of every field of its key: model signature (with the optimizer), microbatch size, dtype, device
-and torch version. A cached file is used only if its recorded key matches; anything else is
+of every field of its key: the model's signature (its name and fingerprint: architecture
+description, every layer's parameter and buffer shapes and dtypes; runtime.model.model_fingerprint)
+with the optimizer, microbatch size, dtype, device and torch version. A cached file is used only if its recorded key matches; anything else is
 profiled again, so a stale cache is never used.
 """
 
@@ -29,7 +30,7 @@ import torch
 
 from oobleck_elastic.config import OptimizerConfig
 from oobleck_elastic.planning.profile import PROFILE_FORMAT, LayerProfile, ModelProfile
-from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer
+from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer, model_fingerprint
 
 __all__ = ["profile_model", "load_or_profile", "profile_path", "device_memory_bytes"]
 
@@ -135,26 +136,26 @@ def profile_model(spec: ModelSpec, *, microbatch_size: int, dtype: str, seed: in
         layer, x = _profile_layer(spec, i, x, target, seed=seed, dtype=torch_dtype, device=device,
                                   iterations=iterations, optimizer=optimizer)
         layers.append(layer)
-    return ModelProfile(signature=_signature(spec, optimizer), microbatch_size=microbatch_size,
+    return ModelProfile(signature=_signature(spec, optimizer, dtype), microbatch_size=microbatch_size,
                         dtype=dtype, device=_device_name(device), torch_version=torch.__version__,
                         device_memory_bytes=device_memory_bytes(device), layers=tuple(layers))
 
 
-def _signature(spec: ModelSpec, optimizer: OptimizerConfig) -> str:
-    return f"{spec.signature}|optimizer={optimizer.name}"
+def _signature(spec: ModelSpec, optimizer: OptimizerConfig, dtype: str) -> str:
+    return f"{spec.name}:{model_fingerprint(spec, DTYPES[dtype])}|optimizer={optimizer.name}"
 
 
 def profile_path(directory: str, spec: ModelSpec, *, microbatch_size: int, dtype: str,
                  optimizer: OptimizerConfig, device: torch.device | str = "cpu") -> str:
     key = _key(spec, microbatch_size, dtype, optimizer, torch.device(device))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    name = spec.signature.split("(")[0].split("|")[0].replace("/", "_") or "model"
+    name = spec.name.replace("/", "_").replace(".", "_") or "model"
     return os.path.join(directory, f"{name}-{digest}.json")
 
 
 def _key(spec: ModelSpec, microbatch_size: int, dtype: str, optimizer: OptimizerConfig,
          device: torch.device) -> dict[str, object]:
-    return {"format": PROFILE_FORMAT, "signature": _signature(spec, optimizer),
+    return {"format": PROFILE_FORMAT, "signature": _signature(spec, optimizer, dtype),
             "microbatch_size": microbatch_size, "dtype": dtype, "device": _device_name(device),
             "torch_version": torch.__version__}
 

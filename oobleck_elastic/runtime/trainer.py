@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,14 +20,14 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime.checkpoint import restore_layers
-from oobleck_elastic.runtime.data import SampleOrder
+from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
 from oobleck_elastic.runtime.generation import Generation
 from oobleck_elastic.runtime.layers import LayerStore, lr_factor
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.transfer import run_transfers
 
-__all__ = ["Trainer", "StepStats", "Dataset", "check_supported"]
+__all__ = ["Trainer", "StepStats", "Dataset", "check_supported"]  # Dataset: runtime.data
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +39,6 @@ def check_supported(cfg: JobConfig) -> None:
         raise ConfigError("planner.wide plans stages that span several workers, which the runtime does "
                           "not execute (it is for dry runs: python -m oobleck_elastic.plan --wide); "
                           "set planner.wide=false to train")
-
-
-class Dataset(Protocol):
-    def __len__(self) -> int: ...
-
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -65,6 +58,10 @@ class StepStats:
     seconds: float
     consumed: tuple[int, ...] = ()
     """Dataset indices this worker's last stage consumed (empty elsewhere)."""
+    tokens: int = 0
+    """Counted target elements of the global batch (the loss's denominator)."""
+    lr: float | None = None
+    """Learning rate of this step (the optimizer's lr times the schedule's factor)."""
 
 
 class Trainer:
@@ -78,13 +75,21 @@ class Trainer:
         self.me = me
         self.store = store
         self.layers = LayerStore(model, cfg.train, torch.device(device))
-        self.order = SampleOrder(len(dataset), cfg.train.seed)
+        self.order = SampleOrder(len(dataset), cfg.train.seed, cfg.data.shuffle)
+        self.loader = BatchLoader(dataset, self.order, cfg.train.global_batch_size, model.loss_count,
+                                  self.layers.device)
         self.generation: Generation | None = None
         self.completed_steps = 0
         self.last_build_s: dict[str, float] = {}
         self.timeout = timedelta(seconds=cfg.elastic.collective_timeout_s)
-        batch = cfg.train.global_batch_size
-        self._loss_fn = lambda out, target: model.loss(out, target) / batch
+        self._step_count = 0  # counted target elements of the step being computed
+
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The microbatch's share of the global-batch mean (runtime.model Note: [loss])."""
+        count = self.model.loss_count(target)
+        if count == 0:  # nothing counted (all padding): no gradient, and no 0/0 from the mean
+            return output.sum() * 0.0
+        return self.model.loss(output, target) * (count / self._step_count)
 
     def build(self, plan: GenerationPlan, transfers: Sequence[Transfer] = (), *, settle: bool = True,
               restore_from: str | None = None) -> int:
@@ -146,20 +151,22 @@ class Trainer:
         consumed: tuple[int, ...] = ()
         if gen.role is not None:
             lo, hi = gen.role.samples
-            indices = self.order.indices(step, self.cfg.train.global_batch_size, lo, hi)
-            x, y = self.dataset.batch(indices)
-            inputs = x if gen.role.is_first else None
-            targets = y if gen.role.is_last else None
+            batch = self.loader.get(step, lo, hi, first=gen.role.is_first, last=gen.role.is_last)
+            inputs, targets = batch.inputs, batch.targets
             if gen.role.is_last:
-                consumed = tuple(indices)
+                consumed = batch.indices
+                self._step_count = batch.count
         loss_sum, samples = gen.forward_backward(inputs, targets)
         gen.sync_gradients()
-        loss, samples, sq_norm = gen.reduce_stats(loss_sum, samples)
+        counts = self._step_count if gen.role is not None and gen.role.is_last and gen.role.pipeline == 0 else 0
+        loss, samples, sq_norm, tokens = gen.reduce_stats(loss_sum, samples, counts)
         norm = math.sqrt(sq_norm)
         clip = self.cfg.train.grad_clip_norm
         coef = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
+        base_lr = self.cfg.train.optimizer.kwargs.get("lr")
+        lr = None if base_lr is None else base_lr * lr_factor(self.cfg.train.lr_schedule, step, self.cfg.train.steps)
         stats = StepStats(step=step, loss=loss, samples=samples, grad_norm=norm,
-                          seconds=time.perf_counter() - start, consumed=consumed)
+                          seconds=time.perf_counter() - start, consumed=consumed, tokens=tokens, lr=lr)
         return _Computed(stats=stats, clip_coef=coef)
 
     def apply(self, computed: _Computed) -> None:
@@ -204,6 +211,11 @@ class Trainer:
         self.layers.keep_only(())
 
     def close(self) -> None:
+        """Closes the current generation (the loader lives as long as the trainer: shutdown())."""
         if self.generation is not None:
             self.generation.close()
             self.generation = None
+
+    def shutdown(self) -> None:
+        self.close()
+        self.loader.close()
