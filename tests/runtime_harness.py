@@ -36,6 +36,16 @@ from oobleck_elastic.runtime.plan import GenerationPlan
 TINY = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=4, dropout=0.0, dataset_size=256)
 
 
+def model_and_data(key: str):
+    """The (ModelSpec, dataset) of a named test model: built the same way in every process."""
+    if key == "gpt":
+        return gpt_model(TINY), SyntheticTokens(TINY, seed=0)
+    if key == "tied_padded":
+        from tied_model import tied_padded
+        return tied_padded()
+    raise KeyError(key)
+
+
 @dataclass(frozen=True)
 class Phase:
     pipelines: tuple[tuple[int, ...], ...]
@@ -78,7 +88,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str) -> None:
+def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str, model_key: str) -> None:
     try:
         from oobleck_elastic.runtime.trainer import Trainer
 
@@ -86,8 +96,7 @@ def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str) ->
         cfg = job_config(overrides)
         store = torch.distributed.TCPStore("127.0.0.1", port, nodes, is_master=False,
                                            timeout=__import__("datetime").timedelta(seconds=60))
-        spec = gpt_model(TINY)
-        data = SyntheticTokens(TINY, seed=0)
+        spec, data = model_and_data(model_key)
         ts, plans = plans_for(phases, spec.num_layers, cfg.train.global_batch_size, cfg.train.microbatch_size,
                               cfg.train.stages_per_worker)
         me = WorkerRef(node, 0)
@@ -149,19 +158,19 @@ def _context():
     # instead of paying the multi-second torch import per process; unlike plain fork it never
     # copies a parent that has already started torch's thread pools.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "runtime_harness",
+    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "runtime_harness", "tied_model",
                                 "oobleck_elastic.runtime.trainer"])
     return ctx
 
 
-def run_job(phases, tmp_path, overrides=(), timeout=240):
+def run_job(phases, tmp_path, overrides=(), timeout=240, model="gpt"):
     nodes = 1 + max(n for ph in phases for p in ph.pipelines for n in p)
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, nodes + 1, is_master=True,
                                        timeout=__import__("datetime").timedelta(seconds=60),
                                        wait_for_workers=False)
     ctx = _context()
-    procs = [ctx.Process(target=_worker, args=(n, nodes + 1, port, phases, overrides, str(tmp_path)))
+    procs = [ctx.Process(target=_worker, args=(n, nodes + 1, port, phases, overrides, str(tmp_path), model))
              for n in range(nodes)]
     for p in procs:
         p.start()
