@@ -275,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.oobleck_node:
             return run_node(args)
         cfg = job_config_of(args.training_script_args)
+        if cfg is not None and args.module and args.training_script == "oobleck_elastic.train":
+            from oobleck_elastic.train import prepare
+
+            prepare(cfg)  # the model and data are checked here, not in every node's log
         if args.oobleck_local_nodes:
             if args.oobleck_local_nodes < 1:
                 raise OobleckError(f"--oobleck-local-nodes must be >= 1, got {args.oobleck_local_nodes}")

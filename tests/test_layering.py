@@ -1,4 +1,5 @@
-"""Imports flow one way: config <- planning <- runtime <- elastic; monitoring beside them."""
+"""Imports flow one way: config <- planning <- runtime <- elastic; monitoring beside them;
+data (datasets) and models (adapters onto runtime.model) beside the runtime."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ ALLOWED = {
     "planning": {"config"},
     "monitoring": {"config", "planning"},
     "runtime": {"config", "planning", "monitoring"},
+    "data": {"config"},
+    "models": {"config", "runtime"},
     "elastic": {"config", "planning", "monitoring", "runtime"},
 }
 

@@ -54,7 +54,9 @@ class RunReport:
         inst = plan.instantiation
         rec = {"step": stats.step, "time": time.time(), "loss": stats.loss, "samples": stats.samples,
                "samples_per_s": stats.samples / stats.seconds if stats.seconds else 0.0,
-               "step_time_s": stats.seconds, "grad_norm": stats.grad_norm, "generation": plan.generation,
+               "step_time_s": stats.seconds, "grad_norm": stats.grad_norm, "lr": stats.lr,
+               "tokens": stats.tokens, "tokens_per_s": stats.tokens / stats.seconds if stats.seconds else 0.0,
+               "generation": plan.generation,
                "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
                "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": self.cfg.train.steps}
         self.sink.write(rec)

@@ -242,17 +242,17 @@ class _Run:
             self.grow(joiners)
 
     def _maybe_checkpoint(self) -> None:
-        """Every checkpoint.interval steps each layer's owner writes it; whoever completes the
-        set marks the checkpoint complete (runtime/checkpoint.py)."""
+        """Every checkpoint.interval steps, and after the last step, each layer's owner writes
+        it; whoever completes the set marks the checkpoint complete (runtime/checkpoint.py)."""
         interval, done = self.cfg.checkpoint.interval, self.trainer.completed_steps
-        if not interval or done % interval:
+        if done != self.cfg.train.steps and (not interval or done % interval):
             return
         plan = self.plan
         rank = plan.rank_of(self.me)
         owned = [i for i, r in plan.layer_owner.items() if r == rank]
         written = save_layers(self.cfg.checkpoint.dir, done, self.trainer.layers, owned)
         if self.store.add(f"gen{plan.generation}/checkpoint{done}", written) == self.model.num_layers:
-            mark_complete(self.cfg.checkpoint.dir, done, self.model.num_layers)
+            mark_complete(self.cfg.checkpoint.dir, done, self.model.num_layers, self.model.export)
 
     def grow(self, joiners: list[int]) -> None:
         """Admits ready joiners at this step boundary: every member does the same, in step."""

@@ -12,7 +12,7 @@ __all__ = ["TensorBoardSink"]
 
 _SCALARS = {"loss": "train/loss", "samples_per_s": "train/samples_per_s", "step_time_s": "train/step_time_s",
             "grad_norm": "train/grad_norm", "nodes": "cluster/nodes", "num_pipelines": "cluster/pipelines",
-            "lr": "train/lr"}
+            "lr": "train/lr", "tokens_per_s": "train/tokens_per_s"}
 
 
 class TensorBoardSink(MetricsSink):

@@ -1,0 +1,67 @@
+"""`python -m oobleck_elastic.train --config job.yaml [--set key=value ...]`: trains the job's
+model on its data, so no script needs writing.
+
+    python -m oobleck_elastic.launch --oobleck-local-nodes 4 --nproc-per-node 1 \\
+        -m oobleck_elastic.train --config job.yaml        # a 4-node job on this machine
+    torchrun --rdzv-backend=oobleck ... -m oobleck_elastic.train --config job.yaml
+    python -m oobleck_elastic.train --config job.yaml     # alone: the one-process reference
+
+The model comes from `model.hf` (a save_pretrained directory) or `model.factory`; the data from
+`data.tokens` (a token file) or the factory. Nothing is downloaded (the hub is offline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from oobleck_elastic.config import JobConfig, load_config
+from oobleck_elastic.errors import ConfigError, OobleckError
+from oobleck_elastic.runtime.model import ModelSpec
+
+__all__ = ["prepare", "main"]
+
+
+def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any]:
+    """The job's model and dataset, checked against each other (the launcher calls this before
+    any node starts, so a mistake is one line here rather than one per node log)."""
+    from oobleck_elastic.data import TokenFile
+    from oobleck_elastic.models import load_model
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model comes from a local directory, never the hub
+    spec, data = load_model(cfg)
+    if cfg.data.tokens is not None:
+        if spec.max_positions is not None and cfg.data.seq_len > spec.max_positions:
+            raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) is longer than the model's "
+                              f"{spec.max_positions} positions; set data.seq_len <= {spec.max_positions}")
+        data = TokenFile.from_config(cfg.data, vocab_size=spec.vocab_size)
+    if data is None:
+        raise ConfigError("the job names no data: set data.tokens to a token file (python -m "
+                          "oobleck_elastic.data.prepare writes one), or return a dataset from model.factory")
+    return spec, data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m oobleck_elastic.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="job YAML (every key documented in oobleck_elastic/config/schema.py)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("OOBLECK_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from oobleck_elastic.elastic.worker import run_worker
+
+    try:
+        cfg = load_config(args.config, args.set)
+        spec, data = prepare(cfg)
+        run_worker(spec, data, cfg)
+    except OobleckError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
