@@ -172,7 +172,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     base = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}:{most}",
             f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-conf={args.rdzv_conf}", f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
-            args.training_script, *args.training_script_args]
+            *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
     procs, logs = [], []
 
     def start_node() -> None:

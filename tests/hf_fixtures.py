@@ -5,7 +5,42 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-__all__ = ["make_tokenizer"]
+__all__ = ["make_tokenizer", "make_causal_lm", "write_tokens"]
+
+TINY_GPT2 = dict(n_layer=4, n_embd=32, n_head=4, vocab_size=97, n_positions=64, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, bos_token_id=0,
+                  eos_token_id=0, pad_token_id=None)
+
+
+def make_causal_lm(directory: str | pathlib.Path, kind: str, *, seed: int = 0, **overrides) -> pathlib.Path:
+    """A tiny random GPT-2 (tied embeddings, no dropout) or Llama (grouped-query attention)
+    saved with save_pretrained into `directory`."""
+    import torch
+    import transformers
+
+    if kind == "gpt2":
+        config, cls = transformers.GPT2Config(**{**TINY_GPT2, **overrides}), transformers.GPT2LMHeadModel
+    elif kind == "llama":
+        config, cls = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides}), transformers.LlamaForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():  # norms start at 1 and biases at 0: perturb so every tensor is distinct
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(directory)
+    return pathlib.Path(directory)
+
+
+def write_tokens(path: str | pathlib.Path, count: int, vocab_size: int, *, seed: int = 0) -> pathlib.Path:
+    """A token file (uint16) of `count` random ids below `vocab_size`."""
+    import numpy as np
+
+    np.random.default_rng(seed).integers(0, vocab_size, count).astype("<u2").tofile(path)
+    return pathlib.Path(path)
 
 
 def make_tokenizer(directory: str | pathlib.Path, texts: Sequence[str], *,

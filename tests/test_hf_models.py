@@ -14,8 +14,8 @@ import torch
 
 # Set before transformers is imported: nothing in these tests may reach the Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+import safetensors.torch as safetensors_torch  # noqa: E402
+import transformers  # noqa: E402
 
 from oobleck_elastic.errors import ConfigError  # noqa: E402
 from oobleck_elastic.models.hf import causal_lm_loss, export_hf, hf_model  # noqa: E402
