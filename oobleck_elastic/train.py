@@ -30,6 +30,7 @@ def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any]:
     any node starts, so a mistake is one line here rather than one per node log)."""
     from oobleck_elastic.data import TokenFile
     from oobleck_elastic.models import load_model
+    from oobleck_elastic.runtime.data import SampleOrder
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model comes from a local directory, never the hub
     spec, data = load_model(cfg)
@@ -38,6 +39,8 @@ def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any]:
             raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) is longer than the model's "
                               f"{spec.max_positions} positions; set data.seq_len <= {spec.max_positions}")
         data = TokenFile.from_config(cfg.data, vocab_size=spec.vocab_size)
+        first = SampleOrder(len(data), cfg.train.seed, cfg.data.shuffle).indices(0, cfg.train.global_batch_size)
+        data.batch(first)  # the first step's samples: token ids beyond the vocabulary fail here
     if data is None:
         raise ConfigError("the job names no data: set data.tokens to a token file (python -m "
                           "oobleck_elastic.data.prepare writes one), or return a dataset from model.factory")

@@ -28,7 +28,7 @@ def etcd_server(timeout: float = 30.0, v2: bool = True):
     API, the usual mistake)."""
     binary = shutil.which("etcd")
     if binary is None:
-        raise RuntimeError("these tests need etcd (Debian: apt-get install etcd-server); .ci/run installs it")
+        raise RuntimeError("these tests need etcd (Debian: apt-get install etcd-server); ./launch/test installs it")
     client, peer = _free_ports(2)
     data = tempfile.mkdtemp(prefix="oobleck-etcd-")
     proc = subprocess.Popen(

@@ -292,8 +292,8 @@ def hf_model(directory: str, *, seq_len: int | None = None) -> ModelSpec:
     max_positions = int(config.max_position_embeddings)
     seq_len = min(128, max_positions) if seq_len is None else seq_len
     if not 1 <= seq_len <= max_positions:
-        raise ConfigError(f"model.hf: seq_len must be in [1, {max_positions}] (the model's max positions), "
-                          f"got {seq_len}")
+        raise ConfigError(f"data.seq_len ({seq_len}) is longer than the model's {max_positions} positions "
+                          f"(model.hf: {directory}); set data.seq_len <= {max_positions}")
     embed_cls, block_cls, head_cls = _LAYERS[arch.name]
     n = config.num_hidden_layers
     builds = [lambda: embed_cls(config)]
