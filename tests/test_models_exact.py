@@ -91,3 +91,28 @@ def test_fingerprint_follows_the_architecture():
     wider = sequential_model([nn.Linear(3, 4), nn.Linear(4, 2)], loss=tied_model.mean_loss, sample_batch=None)
     narrower = sequential_model([nn.Linear(3, 4), nn.Linear(4, 1)], loss=tied_model.mean_loss, sample_batch=None)
     assert model_fingerprint(wider, torch.float32) != model_fingerprint(narrower, torch.float32)
+
+
+@pytest.mark.slow
+def test_factory_model_alone_exports_its_own_state_dict(tmp_path):
+    """model.factory through `python -m oobleck_elastic.train` (one process), then the export:
+    one safetensors file under the nn.Sequential's own names, equal to plain PyTorch."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    sets = ["model.factory=tied_model:factory", "train.dtype=float64", "train.global_batch_size=24",
+            "train.microbatch_size=2", "train.optimizer.lr=0.01", "train.steps=4", *OVERRIDES,
+            f"checkpoint.dir={tmp_path / 'ckpt'}", f"planner.profile_dir={tmp_path / 'profiles'}",
+            f"monitoring.metrics_path={tmp_path / 'm.jsonl'}", f"monitoring.tensorboard_dir={tmp_path / 'tb'}"]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    for argv in ([sys.executable, "-m", "oobleck_elastic.train", *(x for s in sets for x in ("--set", s))],
+                 [sys.executable, "-m", "oobleck_elastic.export", str(tmp_path / "ckpt"), str(tmp_path / "out")]):
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    got, want = load_file(tmp_path / "out/model.safetensors"), plain_reference(4)
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-10, atol=0), name

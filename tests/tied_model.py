@@ -61,3 +61,8 @@ def tied_padded():
     spec = sequential_model(build(), loss=mean_loss, sample_batch=lambda b: data.batch(range(b)),
                             name="tied", vocab_size=VOCAB)
     return spec, data
+
+
+def factory(cfg):
+    """`model.factory: tied_model:factory`: the model and its dataset from the job config."""
+    return tied_padded()
