@@ -37,8 +37,8 @@ from oobleck_elastic.planning import (
 )
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
-from oobleck_elastic.runtime.checkpoint import latest_checkpoint, mark_complete, save_layers
-from oobleck_elastic.runtime.model import ModelSpec
+from oobleck_elastic.runtime.checkpoint import CheckpointId, job_digest, latest_checkpoint, mark_complete, save_layers
+from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.profiler import load_or_profile
 from oobleck_elastic.runtime.trainer import Dataset, Trainer
@@ -133,6 +133,8 @@ class _Run:
         self.last_transfers: list = []
         self.failed_at: float | None = None
         self.max_nodes: int | None = None  # the job's limit on nodes, read once at the start
+        digest = job_digest(model_fingerprint(model, DTYPES[cfg.train.dtype]), cfg.train, cfg.data)
+        self.checkpoint_id = CheckpointId(env.run_id, digest, model.num_layers)
 
     def start(self) -> None:
         record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
@@ -252,7 +254,7 @@ class _Run:
         owned = [i for i, r in plan.layer_owner.items() if r == rank]
         written = save_layers(self.cfg.checkpoint.dir, done, self.trainer.layers, owned)
         if self.store.add(f"gen{plan.generation}/checkpoint{done}", written) == self.model.num_layers:
-            mark_complete(self.cfg.checkpoint.dir, done, self.model.num_layers, self.model.export)
+            mark_complete(self.cfg.checkpoint.dir, done, self.checkpoint_id, self.model.export)
 
     def grow(self, joiners: list[int]) -> None:
         """Admits ready joiners at this step boundary: every member does the same, in step."""
@@ -349,9 +351,9 @@ class _Run:
     def _restore_checkpoint(self, old: GenerationPlan, alive: list[int], dead: list[int], cause: str,
                             phases: dict[str, float], t0: float) -> str | None:
         """More failures than replicas: every survivor restarts from the latest checkpoint."""
-        step = latest_checkpoint(self.cfg.checkpoint.dir, self.model.num_layers)
+        step = latest_checkpoint(self.cfg.checkpoint.dir, self.checkpoint_id)
         if step is None:
-            raise OobleckError(f"{cause}. There is no complete checkpoint in {self.cfg.checkpoint.dir!r} "
+            raise OobleckError(f"{cause}. There is no complete checkpoint of this run in {self.cfg.checkpoint.dir!r} "
                                "(checkpoint.interval) to fall back to: the run cannot continue")
         logger.warning("[node %d] layers lost: restoring the checkpoint of step %d", self.me.node, step)
         pipelines = self.cfg.fault_tolerance + 1 if len(alive) >= (self.cfg.fault_tolerance + 1) * self.templates.min_nodes else 1
