@@ -6,6 +6,9 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 __all__ = [
     "OobleckError",
     "ConfigError",
@@ -13,6 +16,7 @@ __all__ = [
     "InfeasibleBatchError",
     "LayersLostError",
     "ProfileError",
+    "exit_status",
 ]
 
 
@@ -51,3 +55,14 @@ class LayersLostError(PlanningError):
             f"layers {shown}{more} have no surviving replica; in-memory recovery is impossible. "
             "Restore the latest checkpoint, or raise fault_tolerance so more replicas are kept."
         )
+
+
+def exit_status(body: Callable[[], object]) -> int:
+    """Runs an entry point's body: 0, or 2 with an OobleckError printed as one `error: ...`
+    line on stderr (no traceback: the message says what to do)."""
+    try:
+        body()
+    except OobleckError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

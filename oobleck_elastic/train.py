@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from oobleck_elastic.config import JobConfig, load_config
-from oobleck_elastic.errors import ConfigError, OobleckError
+from oobleck_elastic.errors import ConfigError, exit_status
 from oobleck_elastic.runtime.model import ModelSpec
 
 __all__ = ["prepare", "main"]
@@ -56,14 +56,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from oobleck_elastic.elastic.worker import run_worker
 
-    try:
+
+    def train() -> None:
         cfg = load_config(args.config, args.set)
-        spec, data = prepare(cfg)
-        run_worker(spec, data, cfg)
-    except OobleckError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        run_worker(*prepare(cfg), cfg)
+
+    return exit_status(train)
 
 
 if __name__ == "__main__":

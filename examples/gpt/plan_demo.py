@@ -16,7 +16,7 @@ import time
 
 from examples.gpt.model import gpt_model, parse_gpt_config
 from oobleck_elastic.config import load_config
-from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.errors import exit_status
 from oobleck_elastic.planning import reconfigure
 from oobleck_elastic.planning.job import make_cluster, plan_job
 from oobleck_elastic.planning.report import (
@@ -85,12 +85,7 @@ def profile_path_of(cfg, spec) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        run(args)
-    except OobleckError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: run(args))
 
 
 if __name__ == "__main__":

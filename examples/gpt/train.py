@@ -18,7 +18,7 @@ from examples.gpt.data import SyntheticTokens  # noqa: E402
 from examples.gpt.model import gpt_model, parse_gpt_config  # noqa: E402
 from oobleck_elastic.config import load_config  # noqa: E402
 from oobleck_elastic.elastic.worker import run_worker  # noqa: E402
-from oobleck_elastic.errors import OobleckError  # noqa: E402
+from oobleck_elastic.errors import exit_status  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -30,14 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("OOBLECK_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+
+    def train() -> None:
         cfg = load_config(args.config, args.set)
         gpt = parse_gpt_config(cfg.model)
         run_worker(gpt_model(gpt), SyntheticTokens(gpt, seed=cfg.train.seed), cfg)
-    except OobleckError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(train)
 
 
 if __name__ == "__main__":

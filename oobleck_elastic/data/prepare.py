@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from oobleck_elastic.data.tokens import TOKEN_DTYPES
-from oobleck_elastic.errors import ConfigError, OobleckError
+from oobleck_elastic.errors import ConfigError, exit_status
 
 __all__ = ["main", "choose_dtype"]
 
@@ -124,12 +124,7 @@ def _prepare(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (2 for a usage error)."""
     args = _parser().parse_args(argv)
-    try:
-        _prepare(args)
-    except OobleckError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: _prepare(args))
 
 
 if __name__ == "__main__":
