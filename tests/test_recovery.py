@@ -240,3 +240,66 @@ def port_open(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_node_dies_while_a_checkpoint_is_restored(tmp_path, failure_free):
+    """The restored generation's build fails too (it has no in-memory base): the survivors
+    restore the checkpoint again instead of crashing (issue 10, item 2)."""
+    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=3,phase=backward;node=3,step=3,phase=backward;"
+                                          "node=4,step=3,phase=restore"}
+    extra = ["--set", "checkpoint.interval=2", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
+                           "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT,
+                           *job_args(tmp_path, "job"), *extra], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = records(tmp_path / "job/metrics.jsonl")
+    (recovery,) = [r for r in log if r.get("event") == "recovery"]
+    assert recovery["restored_from"] == 2 and recovery["lost"] == [1, 3, 4]
+    assert [r["step"] for r in log if "step" in r and "event" not in r] == [0, 1, 2, 2, 3, 4, 5]
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_a_kill_in_the_last_steps_optimizer_phase_still_ends_the_run(tmp_path, failure_free):
+    """The final weight summary is a collective: a node lost there is recovered like any other
+    failure, and the run still ends with its final record (issue 10, item 9)."""
+    stdout, log = run_with_faults(tmp_path, 5, f"node=1,step={STEPS - 1},phase=optimizer")
+    assert [(r["lost"], r["step"]) for r in log if r.get("event") == "recovery"] == [([1], STEPS)]
+    assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(STEPS))
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_a_worker_paused_past_the_collective_timeout_is_slow_not_dead(tmp_path, failure_free):
+    """A worker SIGSTOPped longer than the collective timeout while its agent's lease goes on:
+    the step times out and is aborted, every node answers the roll call, and the same nodes
+    replay the step in a new generation (issue 10, item 5: only a lease or a roll call makes a
+    node dead)."""
+    timeouts = ["--set", "elastic.collective_timeout_s=2", "--set", "elastic.lease_timeout_s=20",
+                "--set", "elastic.agreement_timeout_s=60"]
+    launcher = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=4",
+                                 "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", "--rdzv-id=slowtest",
+                                 SCRIPT, *job_args(tmp_path, "job"), *timeouts], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = None
+    try:
+        wait_for_step_one(tmp_path, launcher)
+        worker = node_worker("slowtest", 2)
+        worker.suspend()  # the worker only: its agent keeps the node's lease alive
+        deadline = time.monotonic() + 120
+        while "recovering" not in (tmp_path / "logs/node0.log").read_text():  # the others timed out
+            assert time.monotonic() < deadline, "the paused worker's peers never timed out"
+            time.sleep(0.2)
+        worker.resume()
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    log = records(tmp_path / "job/metrics.jsonl")
+    recoveries = [r for r in log if r.get("event") == "recovery"]
+    assert recoveries and all(r["lost"] == [] and r["joined"] == [] for r in recoveries), recoveries
+    assert "every node answered the roll call" in recoveries[0]["actions"][0]
+    steps = [r for r in log if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps] == list(range(STEPS)) and steps[-1]["nodes"] == 4
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)

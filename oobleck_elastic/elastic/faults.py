@@ -3,7 +3,8 @@
     OOBLECK_FAULT="node=2,step=7,phase=backward"            one fault
     OOBLECK_FAULT="node=2,step=7,phase=backward;node=0,step=9,phase=commit"
 
-Phases: forward, backward, grad_sync, commit, optimizer, transfer, agreement. A worker of the
+Phases: forward, backward, grad_sync, commit, optimizer, transfer, agreement, restore (while a
+generation restored from a checkpoint is built). A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -22,7 +23,7 @@ from oobleck_elastic.errors import ConfigError
 
 __all__ = ["Fault", "parse_faults", "FaultInjector", "PHASES"]
 
-PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "transfer", "agreement")
+PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "transfer", "agreement", "restore")
 
 
 @dataclass(frozen=True)

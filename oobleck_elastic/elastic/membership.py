@@ -33,14 +33,19 @@ from collections.abc import Iterable
 
 from oobleck_elastic.elastic.store import MembershipStore
 
-__all__ = ["Heartbeat", "LeaseWatcher", "StepAborted", "commit_step", "decide_abort", "roll_call",
-           "propose_generation", "mark_dead", "ready_joiners"]
+__all__ = ["Fenced", "Heartbeat", "LeaseWatcher", "StepAborted", "commit_step", "current_generation",
+           "decide_abort", "roll_call", "propose_generation", "mark_dead", "ready_joiners"]
 
 logger = logging.getLogger(__name__)
 
 
 class StepAborted(Exception):
     """The step was aborted by another worker (a member failed before the commit)."""
+
+
+class Fenced(Exception):
+    """This worker is not part of the generation that won: it must stop without touching the
+    run's state (its node was taken for dead, or it is behind the others)."""
 
 
 def mark_dead(store: MembershipStore, node: int, why: str) -> None:
@@ -175,10 +180,21 @@ def roll_call(store: MembershipStore, generation: int, me: tuple[int, int], memb
         time.sleep(max(0.005, store.poll_s))
 
 
+def current_generation(store: MembershipStore, timeout: float) -> dict:
+    """The newest generation record. The `generation` pointer is a hint that may lag (it is
+    written after each compare-and-set, not with it), so the records after it are looked for."""
+    record = store.get_json("generation", timeout)
+    while (newer := store.try_get_json(f"generation/{record['generation'] + 1}")) is not None:
+        record = newer
+    return record
+
+
 def propose_generation(store: MembershipStore, generation: int, record: dict, timeout: float) -> dict:
-    """Writes generation/<g> if nobody has (compare-and-set) and returns the record that won."""
+    """Writes generation/<g> if nobody has (compare-and-set) and returns the record that won.
+    The pointer only moves forward: a stale proposer that lost never rolls it back."""
     store.create_json(f"generation/{generation}", record)
     won = store.get_json(f"generation/{generation}", timeout)
-    store.set_json("generation", won)
+    if store.try_get_json(f"generation/{generation + 1}") is None:
+        store.set_json("generation", won)
     return won
 

@@ -21,7 +21,16 @@ import torch.distributed as dist
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import LayersLostError, OobleckError
 from oobleck_elastic.elastic.faults import FaultInjector
-from oobleck_elastic.elastic.membership import LeaseWatcher, StepAborted, commit_step, decide_abort, propose_generation, roll_call
+from oobleck_elastic.elastic.membership import (
+    Fenced,
+    LeaseWatcher,
+    StepAborted,
+    commit_step,
+    current_generation,
+    decide_abort,
+    propose_generation,
+    roll_call,
+)
 from oobleck_elastic.elastic.store import MembershipStore, connect_store, host_store
 from oobleck_elastic.elastic.reporting import RunReport
 from oobleck_elastic.planning import (
@@ -46,6 +55,8 @@ from oobleck_elastic.runtime.trainer import Dataset, Trainer
 __all__ = ["WorkerEnv", "run_worker"]
 
 logger = logging.getLogger(__name__)
+
+MAX_REPLAYS_WITHOUT_LOSS = 3
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,7 @@ class _Run:
         self.last_transfers: list = []
         self.failed_at: float | None = None
         self.max_nodes: int | None = None  # the job's limit on nodes, read once at the start
+        self.retries: dict[int, int] = {}  # step -> replays after failures in which no node was lost
         digest = job_digest(model_fingerprint(model, DTYPES[cfg.train.dtype]), cfg.train, cfg.data)
         self.checkpoint_id = CheckpointId(env.run_id, digest, model.num_layers)
 
@@ -160,8 +172,7 @@ class _Run:
             # every worker computes the same; the record makes it readable by later joiners
             self.store.create_json("generation/0", {**record, "base": None, "cause": None,
                                                     "instantiation": to_jsonable(inst)})
-            self.records[0] = self.store.get_json("generation/0", 10.0)
-            failure = self._enter(0, 0, inst, ())
+            failure = self._adopt(self.store.get_json("generation/0", 10.0))
         else:
             failure = self._join()
         if failure:
@@ -173,7 +184,7 @@ class _Run:
         logger.info("[node %d] ready to join; waiting for admission", self.me.node)
         deadline = time.monotonic() + self.cfg.elastic.join_timeout_s
         while True:
-            record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
+            record = current_generation(self.store, self.cfg.elastic.join_timeout_s)
             if self.me.node in record["nodes"]:
                 break
             if self.store.try_get_json("done") is not None:
@@ -181,12 +192,38 @@ class _Run:
             if time.monotonic() > deadline:
                 raise OobleckError(f"node {self.me.node} was not admitted within {self.cfg.elastic.join_timeout_s:.0f} s")
             time.sleep(0.05)
-        self.records[record["generation"]] = record
-        self.records[record["base"]] = self.store.get_json(f"generation/{record['base']}", 10.0)
-        inst = self._instantiation(record["generation"])
-        base_inst = self._instantiation(record["base"])
-        transfers = plan_transfers(self.templates, base_inst, inst, set(base_inst.nodes) - set(inst.nodes))
-        return self._enter(record["generation"], record["start_step"], inst, transfers)
+        return self._adopt(record)
+
+    def _adopt(self, record: dict) -> str | None:
+        """Builds the generation of the record that won the compare-and-set, whatever this worker
+        proposed: a restore record is restored from the checkpoint, any other is built from its
+        base with the transfers every member derives alike. A worker left out, or at another
+        step than the record, is fenced. Returns a failure cause, or None once built."""
+        g = record["generation"]
+        if self.me.node not in record["nodes"]:
+            raise Fenced(f"[node {self.me.node}] fenced: not a member of generation {g} ({record['cause']})")
+        self.records[g] = record
+        inst = self._instantiation(g)
+        if record.get("restored_from") is not None:
+            self.last_transfers = []
+            return self._enter(g, record["start_step"], inst, (), restore_from=self.cfg.checkpoint.dir)
+        if self.trainer.layers.layers and record["start_step"] != self.trainer.completed_steps:
+            raise Fenced(f"[node {self.me.node}] fenced: generation {g} starts at step {record['start_step']} "
+                         f"but this worker has completed {self.trainer.completed_steps}")
+        transfers = []
+        if record["base"] is not None:
+            base = self._record(record["base"])
+            base_inst = from_jsonable(Instantiation, base["instantiation"])
+            # what this worker held in the base: drops partial copies of a build that failed
+            self.trainer.layers.keep_only(layer_holders(base_inst, self.templates).get(self.me, ()))
+            transfers = plan_transfers(self.templates, base_inst, inst, set(base_inst.nodes) - set(inst.nodes))
+        self.last_transfers = transfers
+        return self._enter(g, record["start_step"], inst, transfers)
+
+    def _record(self, generation: int) -> dict:
+        if generation not in self.records:
+            self.records[generation] = self.store.get_json(f"generation/{generation}", 10.0)
+        return self.records[generation]
 
     def _enter(self, generation: int, start_step: int, inst: Instantiation, transfers,
                restore_from: str | None = None) -> str | None:
@@ -239,15 +276,15 @@ class _Run:
         if self.report:
             self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
-        self._maybe_checkpoint()
+        self._checkpoint()
         if joiners:
             self.grow(joiners)
 
-    def _maybe_checkpoint(self) -> None:
-        """Every checkpoint.interval steps, and after the last step, each layer's owner writes
-        it; whoever completes the set marks the checkpoint complete (runtime/checkpoint.py)."""
+    def _checkpoint(self, final: bool = False) -> None:
+        """Every checkpoint.interval steps, and after the last step (`final`), each layer's owner
+        writes it; whoever completes the set marks the checkpoint complete (runtime/checkpoint.py)."""
         interval, done = self.cfg.checkpoint.interval, self.trainer.completed_steps
-        if done != self.cfg.train.steps and (not interval or done % interval):
+        if not final and (done == self.cfg.train.steps or not interval or done % interval):
             return
         plan = self.plan
         rank = plan.rank_of(self.me)
@@ -268,10 +305,8 @@ class _Run:
                     "lost": [], "joined": joiners, "base": old.generation, "cause": f"node(s) {joiners} joined",
                     "actions": list(recon.actions), "instantiation": to_jsonable(recon.instantiation)}
         record = propose_generation(self.store, old.generation + 1, proposal, self.cfg.elastic.agreement_timeout_s)
-        self.records[record["generation"]] = record
         t1 = time.perf_counter()
-        self.last_transfers = plan_transfers(self.templates, old.instantiation, recon.instantiation)
-        failure = self._enter(record["generation"], step, recon.instantiation, self.last_transfers)
+        failure = self._adopt(record)
         phases = {"agree": t1 - started, **self.trainer.last_build_s}
         if failure:  # a joiner or member died while layers moved: recover from the base
             self.recover(failure, phases, started, first_generation=old.generation)
@@ -317,36 +352,39 @@ class _Run:
         alive, dead = roll_call(self.store, old.generation, (self.me.node, self.me.local_rank),
                                 list(old.instantiation.nodes), self.env.local_world_size, self.watcher,
                                 self.cfg.elastic.agreement_timeout_s, self.cfg.elastic.rollcall_window_s)
-        if not dead:
-            raise RuntimeError(f"{cause}, but every node answered the roll call: not a node failure")
         base = old.generation if self._complete(old.generation) else self.records[old.generation]["base"]
-        base_inst = self._instantiation(base)
-        if base != old.generation:  # the failed build may have left partial copies: drop them
-            held = layer_holders(base_inst, self.templates)
-            self.trainer.layers.keep_only(held.get(self.me, ()))
-        try:
-            recon = reconfigure(self.templates, base_inst, lost=sorted(set(base_inst.nodes) - set(alive)))
-        except LayersLostError as exc:
-            return self._restore_checkpoint(old, alive, dead, f"{cause}; {exc}", phases, t0)
-        proposal = {"generation": old.generation + 1, "nodes": list(recon.instantiation.nodes), "start_step": step,
-                    "lost": dead, "joined": [], "base": base, "cause": cause, "actions": list(recon.actions),
-                    "instantiation": to_jsonable(recon.instantiation)}
-        # Every survivor proposes the same record; compare-and-set keeps the first, so losing
-        # any one of them (the "coordinator") cannot stall the agreement.
+        if base is None:  # the generation that failed was being restored from a checkpoint
+            return self._restore_checkpoint(old, alive, dead, cause, phases, t0)
+        base_inst = from_jsonable(Instantiation, self._record(base)["instantiation"])
+        lost = sorted(set(base_inst.nodes) - set(alive))
+        if lost:
+            try:
+                recon = reconfigure(self.templates, base_inst, lost=lost)
+            except LayersLostError as exc:
+                return self._restore_checkpoint(old, alive, dead, f"{cause}; {exc}", phases, t0)
+            inst, actions = recon.instantiation, list(recon.actions)
+        else:  # slow is not dead: every node answered, so the step is replayed by the same nodes
+            self._count_retry(step, cause)
+            inst, actions = base_inst, ["every node answered the roll call: rebuilt with the same nodes"]
+        proposal = {"generation": old.generation + 1, "nodes": list(inst.nodes), "start_step": step,
+                    "lost": dead, "joined": [], "base": base, "cause": cause, "actions": actions,
+                    "instantiation": to_jsonable(inst)}
+        # Every survivor proposes; compare-and-set keeps the first, so losing any one of them (the
+        # "coordinator") cannot stall the agreement, and everyone acts on the record that won.
         record = propose_generation(self.store, old.generation + 1, proposal, self.cfg.elastic.agreement_timeout_s)
         t2 = time.perf_counter()
-        if self.me.node not in record["nodes"] or record["start_step"] != step:
-            logger.error("[node %d] fenced out of generation %d", self.me.node, record["generation"])
-            os._exit(3)
-        self.records[record["generation"]] = record
-        inst = self._instantiation(record["generation"])
-        base_inst = self._instantiation(record["base"])
-        transfers = plan_transfers(self.templates, base_inst, inst, set(base_inst.nodes) - set(inst.nodes))
-        self.last_transfers = transfers
-        failure = self._enter(record["generation"], step, inst, transfers)
+        failure = self._adopt(record)
         for name, value in (("teardown", t1 - t0), ("agree", t2 - t1), *self.trainer.last_build_s.items()):
             phases[name] = phases.get(name, 0.0) + value
         return failure
+
+    def _count_retry(self, step: int, cause: str) -> None:
+        """A step that keeps failing with every node alive is not a node failure (a bug, out of
+        memory): it ends the run after a few replays instead of looping."""
+        self.retries[step] = self.retries.get(step, 0) + 1
+        if self.retries[step] > MAX_REPLAYS_WITHOUT_LOSS:
+            raise OobleckError(f"step {step} failed {self.retries[step]} times with every node alive, so it is "
+                               f"not a node failure: {cause}")
 
     def _restore_checkpoint(self, old: GenerationPlan, alive: list[int], dead: list[int], cause: str,
                             phases: dict[str, float], t0: float) -> str | None:
@@ -364,24 +402,23 @@ class _Run:
                     "actions": [f"restored the checkpoint of step {step} on nodes {list(inst.nodes)}"],
                     "instantiation": to_jsonable(inst)}
         record = propose_generation(self.store, old.generation + 1, proposal, self.cfg.elastic.agreement_timeout_s)
-        if self.me.node not in record["nodes"]:
-            os._exit(3)
-        self.records[record["generation"]] = record
-        self.last_transfers = []
         t2 = time.perf_counter()
-        failure = self._enter(record["generation"], record["start_step"],
-                              self._instantiation(record["generation"]), (),
-                              restore_from=self.cfg.checkpoint.dir)
+        failure = self._adopt(record)
         phases["restore"] = phases.get("restore", 0.0) + time.perf_counter() - t2
         phases["agree"] = phases.get("agree", 0.0) + t2 - t0
         return failure
 
     def run(self) -> None:
         self.start()
-        while self.trainer.completed_steps < self.cfg.train.steps:
+        while True:
             cause = None
             try:
-                self.step()
+                if self.trainer.completed_steps < self.cfg.train.steps:
+                    self.step()
+                else:  # the end is a collective too: a failure here is recovered like any other
+                    self._checkpoint(final=True)
+                    sums, norms = self.trainer.layer_summaries()
+                    break
             except (RuntimeError, StepAborted) as exc:  # gloo errors are RuntimeErrors
                 cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 self.failed_at = time.time()
@@ -392,7 +429,6 @@ class _Run:
                 logger.warning("[node %d rank %d] step %d failed (%s); recovering", self.me.node,
                                self.me.local_rank, self.trainer.completed_steps, cause)
                 self.recover(cause)
-        sums, norms = self.trainer.layer_summaries()
         if self.report:
             self.report.final(self.trainer.completed_steps, sums, norms)
 
@@ -423,10 +459,14 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
         _check_lease(store, env.node, cfg)
         fault = FaultInjector.from_environ(env.node, store)
     run = _Run(model, dataset, cfg, env, store, fault)
+    fenced = False
     try:
         run.run()
     except RunFinished as exc:
         logger.warning("%s", exc)
+    except Fenced as exc:  # the others go on without this node; it leaves the run's state alone
+        logger.error("%s", exc)
+        fenced = True
     except (dist.DistNetworkError, dist.DistStoreError) as exc:
         raise OobleckError(
             f"the membership store at {store.url} is unreachable ({str(exc).splitlines()[0][:120]}); "
@@ -435,3 +475,5 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
     finally:
         run.close()
         del local_server
+    if fenced:
+        raise SystemExit(3)  # after cleanup: the agent sees this worker leave as fenced

@@ -116,6 +116,7 @@ class Trainer:
                               timeout=self.timeout)
         t2 = time.perf_counter()
         if restore_from is not None:
+            self.fault("restore")
             restore_layers(restore_from, plan.start_step, self.layers, gen.held_layers())
         for i in gen.held_layers():
             if i not in self.layers:

@@ -1,0 +1,81 @@
+"""Every node acts on the generation record that won the compare-and-set, whatever it proposed
+itself (issue 10, item 3): `_Run._adopt` on its own, with the store and the build replaced by
+recorders (the multi-process tests exercise the real ones)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oobleck_elastic.config import load_config
+from oobleck_elastic.elastic.membership import Fenced
+from oobleck_elastic.elastic.worker import _Run
+from oobleck_elastic.planning import WorkerRef, build_instantiation, layer_holders
+from oobleck_elastic.planning.values import to_jsonable
+from runtime_harness import templates_for
+
+TEMPLATES = templates_for(6, 6)
+BASE = build_instantiation([TEMPLATES.get(2), TEMPLATES.get(3)], [(0, 1), (2, 3, 4)], 24, 2)
+AFTER = build_instantiation([TEMPLATES.get(2), TEMPLATES.get(2)], [(0, 1), (2, 4)], 24, 2)
+
+
+class Layers:
+    def __init__(self, held):
+        self.layers = dict.fromkeys(held)
+
+    def keep_only(self, keep):
+        self.layers = {i: None for i in self.layers if i in set(keep)}
+
+
+class Trainer:
+    def __init__(self, held, completed):
+        self.layers, self.completed_steps = Layers(held), completed
+
+
+def run_for(node: int, held, completed: int) -> tuple[_Run, list]:
+    run = _Run.__new__(_Run)  # no store, no process group: only the decision is under test
+    run.me, run.cfg, run.templates = WorkerRef(node, 0), load_config(None, ["checkpoint.dir=ckpt"]), TEMPLATES
+    run.trainer, run.records, run.last_transfers = Trainer(held, completed), {}, []
+    built = []
+    run._enter = lambda g, start, inst, transfers, restore_from=None: built.append(
+        {"generation": g, "start": start, "nodes": inst.nodes, "transfers": transfers, "restore_from": restore_from})
+    return run, built
+
+
+def record(generation, inst, start, *, base=None, restored_from=None):
+    return {"generation": generation, "nodes": list(inst.nodes), "start_step": start, "lost": [], "joined": [],
+            "base": base, "restored_from": restored_from, "cause": "test", "actions": [],
+            "instantiation": to_jsonable(inst)}
+
+
+def test_an_in_memory_survivor_adopts_a_winning_restore_record():
+    run, built = run_for(2, layer_holders(BASE, TEMPLATES)[WorkerRef(2, 0)], completed=5)
+    run._adopt(record(3, AFTER, 4, restored_from=4))
+    assert built == [{"generation": 3, "start": 4, "nodes": AFTER.nodes, "transfers": (), "restore_from": "ckpt"}]
+
+
+def test_a_survivor_that_proposed_a_restore_adopts_a_winning_in_memory_record():
+    run, built = run_for(2, layer_holders(BASE, TEMPLATES)[WorkerRef(2, 0)], completed=5)
+    run.records[1] = record(1, BASE, 0)
+    run._adopt(record(2, AFTER, 5, base=1))
+    (build,) = built
+    assert build["restore_from"] is None and build["start"] == 5 and build["transfers"], build
+    assert all(t.src.node != 3 for t in build["transfers"]), "node 3 is gone: nothing comes from it"
+
+
+def test_partial_copies_of_a_failed_build_are_dropped_for_the_records_base():
+    base_held = layer_holders(BASE, TEMPLATES)[WorkerRef(0, 0)]
+    run, built = run_for(0, (*base_held, 5), completed=5)  # layer 5: half-received in a failed build
+    run.records[1] = record(1, BASE, 0)
+    run._adopt(record(3, AFTER, 5, base=1))
+    assert tuple(run.trainer.layers.layers) == base_held and built
+
+
+def test_a_worker_left_out_or_at_another_step_is_fenced():
+    run, built = run_for(3, (0, 1), completed=5)
+    with pytest.raises(Fenced, match="not a member of generation 2"):
+        run._adopt(record(2, AFTER, 5, base=1))
+    run, built = run_for(2, (0, 1), completed=4)
+    run.records[1] = record(1, BASE, 0)
+    with pytest.raises(Fenced, match="starts at step 5 but this worker has completed 4"):
+        run._adopt(record(2, AFTER, 5, base=1))
+    assert not built
