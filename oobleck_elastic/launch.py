@@ -137,7 +137,9 @@ def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> No
 
 
 def _node_of_pid(store, pid: int) -> int | None:
-    for node in range(store.add("nodes/next", 0)):
+    """The newest node id registered by agent `pid` (a node whose workers torch restarted
+    registers again under a new id)."""
+    for node in reversed(range(store.add("nodes/next", 0))):
         info = store.try_get_json(f"nodes/{node}")
         if info and info.get("pid") == pid:
             return node

@@ -91,3 +91,10 @@ def test_job_digest_follows_the_training_config_and_model():
     assert same != job_digest(fp, load_config(None, ["train.seed=1"]).train, cfg.data)
     assert same != job_digest(fp, cfg.train, load_config(None, ["data.seq_len=7"]).data)
     assert same != job_digest("other", cfg.train, cfg.data)
+
+
+def test_a_checkpoint_dir_that_is_not_shared_is_a_clear_error(tmp_path):
+    """The node completing the set does not see the others' files (issue 10, item 9)."""
+    save_layers(str(tmp_path), 3, store(0), [0, 1])  # this node's layers; the others wrote elsewhere
+    with pytest.raises(OobleckError, match="must be a directory every node shares"):
+        mark_complete(str(tmp_path), 3, CheckpointId("a", "d", SPEC.num_layers))

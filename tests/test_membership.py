@@ -30,6 +30,8 @@ def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_one
         beating.stop()
     assert (alive, dead) == ([0, 1, 3], [2])
     assert 1.2 <= took < 30.0, "waited for node 3's check-in, not for the agreement timeout"
+    assert store.try_get_json("nodes/2/dead")["why"] == "missed the roll call of generation 0"
+    assert store.try_get_json("nodes/3/dead") is None
 
 
 def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
@@ -43,6 +45,25 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
     assert ready_joiners(store, [0, 1, 2], max_nodes=4) == [3], "room for one more"
     assert ready_joiners(store, [0, 1, 2, 3], max_nodes=4) == [], "full: node 5 waits, ready"
     assert ready_joiners(store, [0, 3], max_nodes=4) == [5], "a member lost makes room"
+
+
+def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
+    """A node that got ready and died (no launcher marks it dead under stock torchrun) is never
+    admitted: its lease stands still (issue 10, item 4)."""
+    store = host_store("127.0.0.1", 0, "deadjoiner")
+    for node in range(3):
+        store.register_node({"host": "h"})
+        store.set_json(f"nodes/{node}/ready", True)
+    beating = Heartbeat(store, 2, interval=0.05)
+    watcher = LeaseWatcher(store, timeout=0.5)
+    try:
+        assert ready_joiners(store, [0], watcher=watcher) == [1, 2], "first sight: not yet dead"
+        deadline = time.monotonic() + 10
+        while ready_joiners(store, [0], watcher=watcher) != [2]:
+            assert time.monotonic() < deadline, "node 1's lease never counted as stopped"
+            time.sleep(0.05)
+    finally:
+        beating.stop()
 
 
 def test_a_commit_removes_the_previous_steps_keys():

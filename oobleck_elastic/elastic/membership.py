@@ -112,14 +112,17 @@ class LeaseWatcher:
         return None
 
 
-def ready_joiners(store: MembershipStore, members: Iterable[int], max_nodes: int | None = None) -> list[int]:
-    """Registered nodes, not members and not dead, whose workers are ready to be admitted, the
-    oldest first and no more than `max_nodes` (the job's `limits`, torchrun's `--nnodes=MIN:MAX`)
-    leaves room for: the others wait, ready, until a member is lost."""
+def ready_joiners(store: MembershipStore, members: Iterable[int], max_nodes: int | None = None,
+                  watcher: LeaseWatcher | None = None) -> list[int]:
+    """Registered nodes, not members and not dead (marked, or with `watcher`, a lease that has
+    stood still), whose workers are ready to be admitted, the oldest first and no more than
+    `max_nodes` (the job's `limits`, torchrun's `--nnodes=MIN:MAX`) leaves room for: the others
+    wait, ready, until a member is lost."""
     members = set(members)
     ready = [n for n in range(store.add("nodes/next", 0))
              if n not in members and store.try_get_json(f"nodes/{n}/ready")
-             and store.try_get_json(f"nodes/{n}/dead") is None]
+             and store.try_get_json(f"nodes/{n}/dead") is None
+             and not (watcher is not None and watcher.dead([n]))]
     return ready if max_nodes is None else ready[:max(0, max_nodes - len(members))]
 
 
@@ -130,7 +133,7 @@ def commit_step(store: MembershipStore, generation: int, step: int, world_size: 
     key = f"gen{generation}/step{step}"
     members = list(members)
     if store.add(f"{key}/ready", 1) == world_size:
-        joiners = ready_joiners(store, members, max_nodes)
+        joiners = ready_joiners(store, members, max_nodes, watcher)
         if store.create_json(f"{key}/decision", {"outcome": "commit", "join": joiners}):
             # Everyone reported ready for this step, so everyone has read the previous step's
             # decision: its keys can go (a long run would otherwise pile up two keys a step).
@@ -167,7 +170,8 @@ def roll_call(store: MembershipStore, generation: int, me: tuple[int, int], memb
               suspect_after: float) -> tuple[list[int], list[int]]:
     """Checks in and waits for the roll call (Note: [roll call]); returns (alive, dead) nodes.
     A failure is known here, so a member that has not checked in is dead as soon as its lease
-    has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease timeout."""
+    has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease timeout.
+    The dead are marked so (a node that joined once and died is never admitted again)."""
     store.set_json(f"rollcall/{generation}/started", True)
     store.set_json(f"rollcall/{generation}/{me[0]}/{me[1]}", True)
     deadline = time.monotonic() + timeout
@@ -176,7 +180,11 @@ def roll_call(store: MembershipStore, generation: int, me: tuple[int, int], memb
                                              for w in range(workers_per_node))}
         dead = watcher.dead(set(members) - present, timeout=suspect_after)
         if present | dead == set(members) or time.monotonic() > deadline:
-            return sorted(present), sorted(set(members) - present)
+            absent = sorted(set(members) - present)
+            for node in absent:
+                if store.try_get_json(f"nodes/{node}/dead") is None:
+                    mark_dead(store, node, f"missed the roll call of generation {generation}")
+            return sorted(present), absent
         time.sleep(max(0.005, store.poll_s))
 
 

@@ -108,8 +108,13 @@ def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str,
     directory = _step_dir(root, step)
     sums = []
     for i in range(ident.num_layers):
-        with open(_layer_file(directory, i)[:-3] + ".sha256") as f:
-            sums.append(f.read().strip())
+        try:
+            with open(_layer_file(directory, i)[:-3] + ".sha256") as f:
+                sums.append(f.read().strip())
+        except FileNotFoundError:
+            raise OobleckError(f"checkpoint {directory}: layer {i}, written by another node, is not there; "
+                               "checkpoint.dir must be a directory every node shares (a network file "
+                               "system), not a local one") from None
     manifest = {"format": MANIFEST_FORMAT, "step": step, "run_id": ident.run_id, "digest": ident.digest,
                 "layers": ident.num_layers, "sha256": sums, "model": dict(model or {}), "time": time.time()}
     _atomic_write(json.dumps(manifest).encode(), os.path.join(directory, "complete.json"))
