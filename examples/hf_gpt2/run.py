@@ -22,6 +22,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,9 +80,10 @@ def build_tokenizer(directory: Path, corpus: Path) -> str:
     backend.decoder = decoders.WordPiece()
     trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"])
     backend.train_from_iterator(corpus.read_text(encoding="utf-8").splitlines(), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        eos_token="<eos>")
     tokenizer.save_pretrained(directory)
-    return f"{len(tokenizer)} words, saved to {directory}"
+    return f"vocabulary of {len(tokenizer)} (the corpus's words, <unk>, <eos>), saved to {directory}"
 
 
 def build_model(directory: Path, tokenizer_dir: Path) -> str:
@@ -103,12 +105,12 @@ def build_model(directory: Path, tokenizer_dir: Path) -> str:
 
 
 def prepare_tokens(output: Path, tokenizer_dir: Path, corpus: Path) -> str:
-    out = _run([sys.executable, "-m", "oobleck_elastic.data.prepare", "--tokenizer", str(tokenizer_dir),
-                "--output", str(output), str(corpus)])
+    out = _run([sys.executable, "-m", "oobleck_elastic.data.prepare",
+                "--tokenizer", str(tokenizer_dir), "--output", str(output), str(corpus)])
     return out.splitlines()[0]
 
 
-def _once(k: int, name: str, path: Path, make) -> None:
+def _once(k: int, name: str, path: Path, make: Callable[[], str]) -> None:
     """Stage k, skipped when `path` exists (a previous run made it)."""
     if path.exists():
         _stage(k, name, f"{path} exists, skipped")
@@ -116,23 +118,29 @@ def _once(k: int, name: str, path: Path, make) -> None:
     _stage(k, name, make())
 
 
-def train(run_dir: Path, work: Path, steps: int, fault: bool) -> str:
-    """The 4-node job, its launcher's lines shown as they come; returns the loss summary."""
-    env = os.environ.copy()
-    fault_step = steps // 3  # 0-based, as OOBLECK_FAULT counts; the launcher prints it 1-based
-    fault = fault and fault_step >= 1  # a one- or two-step run has no middle to fail in
-    env["OOBLECK_FAULT"] = f"node=1,step={fault_step},phase=backward" if fault else ""
+def _train_command(run_dir: Path, work: Path, steps: int) -> list[str]:
+    """The launcher's command line: the example's config, with this run's paths set."""
     sets = {"model.hf": work / "model", "data.tokens": work / "tokens.bin", "train.steps": steps,
             "planner.profile_dir": work / "profiles", "checkpoint.dir": run_dir / "checkpoints",
             "monitoring.metrics_path": run_dir / "metrics.jsonl",
             "monitoring.tensorboard_dir": run_dir / "tensorboard"}
+    return [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes", "4",
+            "--nproc-per-node", "1", "--oobleck-log-dir", str(run_dir / "logs"),
+            "-m", "oobleck_elastic.train", "--config", str(CONFIG),
+            *(arg for key, value in sets.items() for arg in ("--set", f"{key}={value}"))]
+
+
+def train(run_dir: Path, work: Path, steps: int, fault: bool) -> str:
+    """The 4-node job, its launcher's lines shown as they come; returns the loss summary."""
+    fault_step = steps // 3  # 0-based, as OOBLECK_FAULT counts; the launcher prints it 1-based
+    fault = fault and fault_step >= 1  # a one- or two-step run has no middle to fail in
+    kill = f"node=1,step={fault_step},phase=backward" if fault else ""
+    env = {**os.environ, "OOBLECK_FAULT": kill}
     what = f"node 1 SIGKILLed in step {fault_step + 1}'s backward" if fault else "no failure"
     _stage(5, "train", f"{steps} steps on 4 local nodes, {what}")
-    _run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes", "4", "--nproc-per-node", "1",
-          "--oobleck-log-dir", str(run_dir / "logs"), "-m", "oobleck_elastic.train", "--config", str(CONFIG),
-          *(a for key, value in sets.items() for a in ("--set", f"{key}={value}"))], capture=False, env=env)
-    losses = [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-              if "step" in r and "event" not in r]
+    _run(_train_command(run_dir, work, steps), capture=False, env=env)
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    losses = [r["loss"] for r in records if "step" in r and "event" not in r]
     return f"loss {losses[0]:.3f} at step 1 -> {losses[-1]:.3f} at step {len(losses)}"
 
 
@@ -151,7 +159,8 @@ def generate(model_dir: Path, tokenizer_dir: Path, prompt: str, new_tokens: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.hf_gpt2.run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.hf_gpt2.run",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="runs/hf_gpt2", help="where the corpus, model and run go")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     p.add_argument("--no-fault", action="store_true", help="train without killing a node")
@@ -159,10 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     os.environ["HF_HUB_OFFLINE"] = "1"  # inherited by every command below
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # save_pretrained's bar breaks the lines
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # save_pretrained's bar splits lines
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    corpus, tok_dir, model_dir, tokens = work / "corpus.txt", work / "tokenizer", work / "model", work / "tokens.bin"
+    corpus, tok_dir, model_dir = work / "corpus.txt", work / "tokenizer", work / "model"
+    tokens = work / "tokens.bin"
     _once(1, "corpus", corpus, lambda: write_corpus(corpus))
     _once(2, "tokenizer", tok_dir, lambda: build_tokenizer(tok_dir, corpus))
     _once(3, "model", model_dir, lambda: build_model(model_dir, tok_dir))
@@ -173,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(run_dir, ignore_errors=True)
     _stage(5, "trained", train(run_dir, work, args.steps, fault=not args.no_fault))
     exported = run_dir / "exported"
-    out = _run([sys.executable, "-m", "oobleck_elastic.export", str(run_dir / "checkpoints"), str(exported)])
+    out = _run([sys.executable, "-m", "oobleck_elastic.export", str(run_dir / "checkpoints"),
+                str(exported)])
     _stage(6, "export", out.strip())
     _stage(7, "generate", generate(exported, tok_dir, PROMPT))
     return 0
