@@ -1,7 +1,8 @@
 """`python -m oobleck_elastic.export CHECKPOINT_DIR OUT_DIR`: a run's latest checkpoint in the
 model's own format.
 
-For a Hugging Face model, OUT_DIR is a directory that `AutoModelForCausalLM.from_pretrained`
+The newest is the one written last (a directory several runs wrote to exports the latest
+run's, not the highest step). For a Hugging Face model, OUT_DIR is a directory that `AutoModelForCausalLM.from_pretrained`
 loads (config.json + model.safetensors, tied weights stored as transformers stores them); for
 any other model, OUT_DIR/model.safetensors holds the full state_dict under the model's own
 parameter names (runtime.model Note: [parameter names]).
@@ -27,7 +28,7 @@ def export_checkpoint(root: str, out_dir: str) -> tuple[int, str]:
     if not found:
         raise OobleckError(f"{root!r} holds no complete checkpoint (a run writes one after its last step "
                            "and every checkpoint.interval steps)")
-    step, manifest = found[0]
+    step, manifest = max(found, key=lambda item: (item[1].get("time", 0.0), item[0]))  # the newest run's last
     state = load_model_state(root, step, manifest["layers"])
     model = manifest.get("model") or {"format": "safetensors"}
     os.makedirs(out_dir, exist_ok=True)

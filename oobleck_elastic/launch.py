@@ -202,9 +202,10 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
             rec = store.try_get_json("progress")
             if rec and rec["step"] != last_step:
                 first = first or (time.monotonic(), rec["step"] + 1)
-                last_step = rec["step"]
-                if (rec["step"] + 1) % interval == 0:
+                # a line whenever a multiple of the interval was passed: polling may skip steps
+                if (rec["step"] + 1) // interval > (last_step + 1) // interval or rec["step"] + 1 == rec["total_steps"]:
                     print(_progress_line(rec, first), flush=True)
+                last_step = rec["step"]
                 while pending_adds and rec["step"] + 1 >= pending_adds[0]:
                     pending_adds.pop(0)
                     start_node()

@@ -98,3 +98,15 @@ def test_a_checkpoint_dir_that_is_not_shared_is_a_clear_error(tmp_path):
     save_layers(str(tmp_path), 3, store(0), [0, 1])  # this node's layers; the others wrote elsewhere
     with pytest.raises(OobleckError, match="must be a directory every node shares"):
         mark_complete(str(tmp_path), 3, CheckpointId("a", "d", SPEC.num_layers))
+
+
+def test_export_takes_the_newest_runs_checkpoint_not_the_highest_step(tmp_path):
+    from safetensors.torch import load_file
+
+    from oobleck_elastic.export import export_checkpoint
+
+    write(tmp_path / "ckpt", 6, store(0), CheckpointId("long-run", "d", SPEC.num_layers))
+    write(tmp_path / "ckpt", 3, store(1), CheckpointId("short-run", "d", SPEC.num_layers))
+    assert export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out")) == (3, "safetensors")
+    exported = load_file(tmp_path / "out/model.safetensors")
+    assert torch.equal(exported["embed.tokens.weight"], store(1)[0].module.state_dict()["embed.tokens.weight"])

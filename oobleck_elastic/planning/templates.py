@@ -322,7 +322,7 @@ def plan_templates(profile: ModelProfile, cluster: Cluster, *, max_nodes: int, f
         raise PlanningError(
             f"no pipeline of 1..{min(max_nodes, max(stage_cap, 1))} node(s) fits: "
             + _why_infeasible(profile, cluster, min(max_nodes, max(stage_cap, 1)), wide, virtual_stages)
-            + f" (memory_per_worker = {cluster.memory_per_worker / 2**30:.2f} GiB); "
+            + f" (memory_per_worker = {_bytes(cluster.memory_per_worker)}); "
             "add nodes, raise planner.memory_per_worker or use a smaller microbatch")
     if max_nodes < (fault_tolerance + 1) * n0:
         raise PlanningError(
@@ -335,3 +335,11 @@ def plan_templates(profile: ModelProfile, cluster: Cluster, *, max_nodes: int, f
                        max_nodes=max_nodes, fault_tolerance=fault_tolerance,
                        infeasible=infeasible, uncovered=tuple(uncovered),
                        layer_state_bytes=tuple(x.state_bytes for x in profile.layers))
+
+
+def _bytes(n: float) -> str:
+    """A byte count in the unit that reads best (for messages)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} bytes"
