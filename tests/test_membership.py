@@ -75,3 +75,25 @@ def test_a_commit_removes_the_previous_steps_keys():
     for step in (0, 1):
         assert store.try_get_json(f"gen0/step{step}/decision") is None
         assert store.add(f"gen0/step{step}/ready", 0) == 0
+
+
+def test_a_node_started_with_another_job_is_refused_naming_the_keys():
+    """Issue 10, item 8: the first node publishes the job; another seed or batch is refused."""
+    import pytest
+
+    from oobleck_elastic.config import load_config
+    from oobleck_elastic.elastic.membership import check_same_job
+    from oobleck_elastic.elastic.worker import _Run
+    from oobleck_elastic.errors import OobleckError
+
+    def job(sets):
+        run = _Run.__new__(_Run)
+        run.cfg, run.model, run.fingerprint = load_config(None, sets), type("M", (), {"name": "m"}), "f00d"
+        return run._job()
+
+    store = host_store("127.0.0.1", 0, "samejob")
+    check_same_job(store, job(["train.seed=3"]))
+    check_same_job(store, job(["train.seed=3", "planner.profile_dir=/elsewhere"]))  # a local path may differ
+    with pytest.raises(OobleckError, match=r"train.global_batch_size = 64 here, 32 in the run; "
+                                           r"train.seed = 0 here, 3 in the run"):
+        check_same_job(store, job(["train.global_batch_size=64"]))

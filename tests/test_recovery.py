@@ -26,6 +26,14 @@ def wait_for_step_one(tmp_path, proc: subprocess.Popen, timeout: float = 200) ->
         time.sleep(0.2)
 
 
+def start_job(tmp_path, nodes: int, run_id: str, extra: list[str]) -> subprocess.Popen:
+    """The example job on `nodes` local nodes, running in the background (output in a pipe)."""
+    return subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch", f"--oobleck-local-nodes={nodes}",
+                             "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", f"--rdzv-id={run_id}",
+                             SCRIPT, *job_args(tmp_path, "job"), *extra], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def run_with_faults(tmp_path, nodes: int, fault: str):
     env = {**os.environ, "OOBLECK_FAULT": fault}
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", f"--oobleck-local-nodes={nodes}",
@@ -95,10 +103,7 @@ def test_second_kill_during_recovery(tmp_path, failure_free, fault, lost):
 def test_sigstopped_node_is_detected_by_its_lease(tmp_path, failure_free):
     timeouts = ["--set", "elastic.collective_timeout_s=2", "--set", "elastic.lease_timeout_s=3",
                 "--set", "elastic.agreement_timeout_s=30"]
-    launcher = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
-                                 "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", "--rdzv-id=stoptest",
-                                 SCRIPT, *job_args(tmp_path, "job"), *timeouts], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = start_job(tmp_path, 5, "stoptest", timeouts)
     stopped = []
     try:
         wait_for_step_one(tmp_path, launcher)
@@ -276,10 +281,7 @@ def test_a_worker_paused_past_the_collective_timeout_is_slow_not_dead(tmp_path, 
     node dead)."""
     timeouts = ["--set", "elastic.collective_timeout_s=2", "--set", "elastic.lease_timeout_s=20",
                 "--set", "elastic.agreement_timeout_s=60"]
-    launcher = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=4",
-                                 "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", "--rdzv-id=slowtest",
-                                 SCRIPT, *job_args(tmp_path, "job"), *timeouts], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = start_job(tmp_path, 4, "slowtest", timeouts)
     worker = None
     try:
         wait_for_step_one(tmp_path, launcher)

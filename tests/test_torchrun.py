@@ -17,7 +17,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from etcd_server import etcd_server
-from jobs import SCRIPT, STEPS, assert_matches, job_args, node_worker, records
+from jobs import ROOT, SCRIPT, STEPS, assert_matches, job_args, node_worker, records
 from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
 
 pytestmark = pytest.mark.slow
@@ -60,17 +60,17 @@ def test_a_finished_run_refuses_new_nodes_and_a_client_never_hosts():
 
 
 def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: str = "",
-                 extra: tuple[str, ...] = (), during=None) -> list[subprocess.Popen]:
-    """`nodes` torchrun processes (each its own session, so a fault kills one node), waited for;
-    `during(procs)`, if given, runs while they do."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_FAULT": fault}
+                 extra: tuple[str, ...] = (), during=None, entry: tuple[str, ...] = (SCRIPT,)) -> list[subprocess.Popen]:
+    """`nodes` torchrun processes (each its own session, so a fault kills one node) running
+    `entry`, waited for; `during(procs)`, if given, runs while they do."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_FAULT": fault, "PYTHONPATH": str(ROOT)}
     procs = []
     for node in range(nodes):
         with open(tmp_path / f"torchrun{node}.log", "w") as log:
             procs.append(subprocess.Popen(
                 [*TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=oobleck",
                  f"--rdzv-endpoint={endpoint}", "--rdzv-id=torchruntest", "--monitor-interval=0.1", *conf,
-                 SCRIPT, *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB", *extra],
+                 *entry, *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB", *extra],
                 cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + 300
     try:
@@ -93,7 +93,9 @@ def logs(tmp_path, nodes: int) -> str:
 
 
 def test_stock_torchrun_on_the_embedded_store_trains_like_one_process(tmp_path, failure_free):
-    procs = run_torchrun(tmp_path, 2, f"127.0.0.1:{free_port()}", [])
+    # the package's own entry point, the model named by model.factory
+    procs = run_torchrun(tmp_path, 2, f"127.0.0.1:{free_port()}", [], entry=("-m", "oobleck_elastic.train"),
+                         extra=("--set", "model.factory=examples.gpt.model:job"))
     assert [p.returncode for p in procs] == [0, 0], logs(tmp_path, 2)
     log = records(tmp_path / "job/metrics.jsonl")
     assert [r["nodes"] for r in log if r.get("event") == "generation"] == [[0, 1]]

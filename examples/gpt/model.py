@@ -19,7 +19,7 @@ from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.models.sequential import sequential_model
 from oobleck_elastic.runtime.model import ModelSpec
 
-__all__ = ["GPTConfig", "gpt_model", "parse_gpt_config"]
+__all__ = ["GPTConfig", "gpt_model", "job", "parse_gpt_config"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,3 +126,12 @@ def gpt_model(cfg: GPTConfig) -> ModelSpec:
     return sequential_model(factories, names=names, loss=token_loss, sample_batch=sample_batch,
                             name="examples.gpt", description={"gpt": sizes}, vocab_size=cfg.vocab_size,
                             max_positions=cfg.seq_len)
+
+
+def job(cfg):
+    """`model.factory: examples.gpt.model:job`: the example and its synthetic data, for
+    `python -m oobleck_elastic.train` (the other keys of the model section are GPTConfig's)."""
+    from examples.gpt.data import SyntheticTokens
+
+    gpt = parse_gpt_config({k: v for k, v in cfg.model.items() if k != "factory"})
+    return gpt_model(gpt), SyntheticTokens(gpt, seed=cfg.train.seed)

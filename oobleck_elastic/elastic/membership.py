@@ -32,8 +32,9 @@ import time
 from collections.abc import Iterable
 
 from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.errors import OobleckError
 
-__all__ = ["Fenced", "Heartbeat", "LeaseWatcher", "StepAborted", "commit_step", "current_generation",
+__all__ = ["Fenced", "Heartbeat", "check_same_job", "LeaseWatcher", "StepAborted", "commit_step", "current_generation",
            "decide_abort", "roll_call", "propose_generation", "mark_dead", "ready_joiners"]
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,20 @@ class LeaseWatcher:
         if node in self._seen:
             return time.time() - (time.monotonic() - self._seen[node][1])
         return None
+
+
+def check_same_job(store: MembershipStore, job: dict[str, object]) -> None:
+    """Every node must train the same job: the first to get here publishes its description (a
+    flat {dotted key: value} of the model's fingerprint and the config that shapes training and
+    plans); anyone else whose description differs is refused, naming the keys."""
+    store.create_json("job", job)
+    run = store.get_json("job", 10.0)
+    differ = sorted(k for k in set(run) | set(job) if run.get(k) != job.get(k))
+    if differ:
+        shown = "; ".join(f"{k} = {job.get(k)!r} here, {run.get(k)!r} in the run" for k in differ[:5])
+        more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+        raise OobleckError(f"this node was started with another job than the run it joins: {shown}{more}. "
+                           "Start every node with the same model and config, or give this job its own --rdzv-id")
 
 
 def ready_joiners(store: MembershipStore, members: Iterable[int], max_nodes: int | None = None,

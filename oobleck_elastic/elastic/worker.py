@@ -24,6 +24,7 @@ from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import (
     Fenced,
     LeaseWatcher,
+    check_same_job,
     StepAborted,
     commit_step,
     current_generation,
@@ -46,7 +47,7 @@ from oobleck_elastic.planning import (
 )
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
-from oobleck_elastic.runtime.checkpoint import CheckpointId, job_digest, latest_checkpoint, mark_complete, save_layers
+from oobleck_elastic.runtime.checkpoint import CheckpointId, job_digest, plain, latest_checkpoint, mark_complete, save_layers
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.profiler import load_or_profile
@@ -80,6 +81,12 @@ class WorkerEnv:
 
 class RunFinished(Exception):
     """The run ended while this worker waited to join it: nothing is left to do."""
+
+
+def _flatten(prefix: str, value: object) -> dict[str, object]:
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in _flatten(f"{prefix}.{key}", sub).items()}
+    return {prefix: value}
 
 
 def _watch_parent() -> None:
@@ -145,10 +152,23 @@ class _Run:
         self.failed_at: float | None = None
         self.max_nodes: int | None = None  # the job's limit on nodes, read once at the start
         self.retries: dict[int, int] = {}  # step -> replays after failures in which no node was lost
-        digest = job_digest(model_fingerprint(model, DTYPES[cfg.train.dtype]), cfg.train, cfg.data)
+        self.fingerprint = model_fingerprint(model, DTYPES[cfg.train.dtype])
+        digest = job_digest(self.fingerprint, cfg.train, cfg.data)
         self.checkpoint_id = CheckpointId(env.run_id, digest, model.num_layers)
 
+    def _job(self) -> dict[str, object]:
+        """What every node of the run must agree on (flat dotted keys, JSON values)."""
+        cfg = self.cfg
+        sections = {"train": cfg.train, "data": cfg.data, "planner": cfg.planner, "checkpoint": cfg.checkpoint}
+        flat = {"model.fingerprint": f"{self.model.name}:{self.fingerprint}", "fault_tolerance": cfg.fault_tolerance}
+        for name, section in sections.items():
+            flat.update(_flatten(name, plain(section)))
+        for local in ("planner.profile_dir", "planner.profile_iterations", "checkpoint.dir"):
+            del flat[local]  # a machine's own paths and its profiling effort may differ
+        return flat
+
     def start(self) -> None:
+        check_same_job(self.store, self._job())
         record = self.store.get_json("generation", self.cfg.elastic.join_timeout_s)
         self.max_nodes = (self.store.try_get_json("limits") or {}).get("max_nodes")  # written before it
         first = self.store.try_get_json("generation/0") or record

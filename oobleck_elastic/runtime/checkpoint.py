@@ -34,7 +34,7 @@ import torch
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.layers import LayerStore
 
-__all__ = ["CheckpointId", "job_digest", "save_layers", "mark_complete", "checkpoints", "latest_checkpoint",
+__all__ = ["CheckpointId", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints", "latest_checkpoint",
            "read_manifest", "load_model_state", "restore_layers"]
 
 MANIFEST_FORMAT = 2
@@ -49,20 +49,21 @@ class CheckpointId:
     num_layers: int
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """A config dataclass as plain JSON-able data (dicts, lists, scalars)."""
     if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value
 
 
 def job_digest(fingerprint: str, *sections: Any) -> str:
     """A digest of what makes two runs the same training: the model's fingerprint and the
     given config sections (train, data)."""
-    blob = json.dumps([fingerprint, *map(_plain, sections)], sort_keys=True, default=str)
+    blob = json.dumps([fingerprint, *map(plain, sections)], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

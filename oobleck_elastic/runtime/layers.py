@@ -43,11 +43,11 @@ def _param_groups(named: list[tuple[str, nn.Parameter]], train: TrainConfig,
     patterns = train.no_weight_decay
     if not patterns:
         return [{"params": [p for _, p in named]}]
-    plain, exempt = [], []
+    decayed, exempt = [], []
     for name, p in named:
         key = canonical.get(name, name)
-        (exempt if any(fnmatch.fnmatchcase(key, pat) for pat in patterns) else plain).append(p)
-    return [g for g in ({"params": plain}, {"params": exempt, "weight_decay": 0.0}) if g["params"]]
+        (exempt if any(fnmatch.fnmatchcase(key, pat) for pat in patterns) else decayed).append(p)
+    return [g for g in ({"params": decayed}, {"params": exempt, "weight_decay": 0.0}) if g["params"]]
 
 
 class LayerState:
