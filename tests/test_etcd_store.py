@@ -122,3 +122,24 @@ def test_delete(etcd_port):
     store.delete("gen0/step1/decision")
     store.delete("gen0/step1/decision")  # gone already: nothing to do
     assert store.try_get_json("gen0/step1/decision") is None
+
+
+def test_a_write_the_transport_sends_twice_counts_once(etcd_port, monkeypatch):
+    """urllib3 sends a PUT again when its response is lost: the first one was applied and the
+    retry's condition fails. A counter still moves once, and a create is still ours (issue 10,
+    item 6)."""
+    store = connect_store(f"etcd://127.0.0.1:{etcd_port}", "retried")
+    real = store._client.write
+
+    def applied_then_retried(*args, **kwargs):
+        real(*args, **kwargs)  # applied, but the response never arrived...
+        return real(*args, **kwargs)  # ...so the transport sent it again
+
+    monkeypatch.setattr(store._client, "write", applied_then_retried)
+    assert store.add("gen0/built", 1) == 1  # the create of the counter
+    assert store.add("gen0/built", 1) == 2  # an add with prevIndex
+    assert store.add("gen0/built", 3) == 5
+    assert store.create_json("generation/1", {"nodes": [0]}) is True
+    monkeypatch.setattr(store._client, "write", real)
+    assert store.add("gen0/built", 0) == 5
+    assert store.create_json("generation/1", {"nodes": [1]}) is False

@@ -7,6 +7,14 @@ etcd v2 keys form a tree, and a key cannot be both a value and a directory (`nod
 Counters and compare-and-set use etcd's own `prevExist` and `prevIndex` conditions. Process
 groups bootstrap through torch's etcd-backed c10d store under `/oobleck/<run_id>/torch/`.
 
+Note: [idempotent etcd writes]
+    A PUT whose response is lost is sent again by urllib3 (PUT counts as idempotent): the first
+    one was applied, so the retry's condition fails (`prevIndex` moved, or the key exists) and
+    a naive caller would add a second time or think it lost a compare-and-set. So a counter's
+    value carries the token of the write that made it (`{"n": 5, "by": "<token>"}`), and a
+    failed condition is checked against what is stored: our own token (or, for a create, our
+    own value) means our write is the one that was applied.
+
 Start etcd 3.4 with the v2 API: `etcd --enable-v2 --listen-client-urls http://0.0.0.0:2379
 --advertise-client-urls http://HOST:2379`.
 """
@@ -14,6 +22,7 @@ Start etcd 3.4 with the v2 API: `etcd --enable-v2 --listen-client-urls http://0.
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -69,7 +78,10 @@ class EtcdStore(MembershipStore):
             return None
 
     def add(self, key: str, amount: int) -> int:
+        """Adds to a counter exactly once, even when the transport retries the write (Note:
+        [idempotent etcd writes])."""
         path = self._key(key)
+        token = uuid.uuid4().hex
         while True:
             try:
                 current = self._call(self._client.read, path)
@@ -77,25 +89,35 @@ class EtcdStore(MembershipStore):
                 if amount == 0:
                     return 0
                 try:
-                    self._call(self._client.write, path, str(amount), prevExist=False)
+                    self._call(self._client.write, path, _counter(amount, token), prevExist=False)
                     return amount
                 except etcd.EtcdAlreadyExist:
+                    if (ours := self._written_by(path, token)) is not None:
+                        return ours
                     continue  # someone created it first: add to theirs
+            value = _count(current.value)
             if amount == 0:
-                return int(current.value)
-            value = int(current.value) + amount
-            try:
-                self._call(self._client.write, path, str(value), prevIndex=current.modifiedIndex)
                 return value
+            try:
+                self._call(self._client.write, path, _counter(value + amount, token), prevIndex=current.modifiedIndex)
+                return value + amount
             except etcd.EtcdCompareFailed:
+                if (ours := self._written_by(path, token)) is not None:
+                    return ours
                 continue  # someone added meanwhile: read again
 
+    def _written_by(self, path: str, token: str) -> int | None:
+        """The counter's value if the write that made it carries `token`."""
+        stored = json.loads(self._call(self._client.read, path).value)
+        return stored["n"] if stored.get("by") == token else None
+
     def create_json(self, key: str, value: Any) -> bool:
+        text = json.dumps(value)
         try:
-            self._call(self._client.write, self._key(key), json.dumps(value), prevExist=False)
+            self._call(self._client.write, self._key(key), text, prevExist=False)
             return True
-        except etcd.EtcdAlreadyExist:
-            return False
+        except etcd.EtcdAlreadyExist:  # ours, if a retried request found our own first write
+            return self._call(self._client.read, self._key(key)).value == text
 
     def delete(self, key: str) -> None:
         try:
@@ -113,3 +135,11 @@ class EtcdStore(MembershipStore):
             self._torch_store = TorchEtcdStore(self._client, self._prefix + "torch",
                                                timedelta(seconds=self.timeout))
         return self._torch_store
+
+
+def _counter(value: int, token: str) -> str:
+    return json.dumps({"n": value, "by": token})
+
+
+def _count(stored: str) -> int:
+    return int(json.loads(stored)["n"])
