@@ -45,15 +45,26 @@ def assert_matches(final, reference, rel=1e-9):
         assert ours == pytest.approx(theirs, rel=rel, abs=1e-12)
 
 
-def node_worker(run_id: str, node: int) -> psutil.Process:
-    """The worker process of `node` (its environment, fixed at exec, names run and node)."""
+def run_processes(run_id: str) -> list[psutil.Process]:
+    """Every worker of run `run_id` still alive (their environment names the run)."""
     found = []
     for proc in psutil.process_iter():
         try:
-            env = proc.environ()
+            if proc.environ().get("OOBLECK_RUN_ID") == run_id:
+                found.append(proc)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
-        if env.get("OOBLECK_RUN_ID") == run_id and env.get("OOBLECK_NODE_ID") == str(node):
-            found.append(proc)
+    return found
+
+
+def node_worker(run_id: str, node: int) -> psutil.Process:
+    """The worker process of `node` (its environment, fixed at exec, names run and node)."""
+    found = []
+    for proc in run_processes(run_id):
+        try:
+            if proc.environ().get("OOBLECK_NODE_ID") == str(node):
+                found.append(proc)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
     assert len(found) == 1, found
     return found[0]

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from jobs import SCRIPT, STEPS, assert_matches, job_args, node_worker, records
+from jobs import SCRIPT, STEPS, assert_matches, job_args, node_worker, records, run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +26,11 @@ def wait_for_step_one(tmp_path, proc: subprocess.Popen, timeout: float = 200) ->
         time.sleep(0.2)
 
 
-def start_job(tmp_path, nodes: int, run_id: str, extra: list[str]) -> subprocess.Popen:
+def start_job(tmp_path, nodes: int, run_id: str, extra: list[str], env=None) -> subprocess.Popen:
     """The example job on `nodes` local nodes, running in the background (output in a pipe)."""
     return subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch", f"--oobleck-local-nodes={nodes}",
                              "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", f"--rdzv-id={run_id}",
-                             SCRIPT, *job_args(tmp_path, "job"), *extra], cwd=tmp_path,
+                             SCRIPT, *job_args(tmp_path, "job"), *extra], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -275,28 +275,30 @@ def test_a_kill_in_the_last_steps_optimizer_phase_still_ends_the_run(tmp_path, f
 
 
 def test_a_worker_paused_past_the_collective_timeout_is_slow_not_dead(tmp_path, failure_free):
-    """A worker SIGSTOPped longer than the collective timeout while its agent's lease goes on:
-    the step times out and is aborted, every node answers the roll call, and the same nodes
-    replay the step in a new generation (issue 10, item 5: only a lease or a roll call makes a
-    node dead)."""
+    """A worker stopped (SIGSTOP, by the injector: `action=stop`) in step 2's forward for longer
+    than the collective timeout while its agent's lease goes on: the step times out and is
+    aborted; once it is resumed every node answers the roll call, and the same nodes replay the
+    step in a new generation (issue 10, item 5: only a lease or a roll call makes a node dead)."""
     timeouts = ["--set", "elastic.collective_timeout_s=2", "--set", "elastic.lease_timeout_s=20",
                 "--set", "elastic.agreement_timeout_s=60"]
-    launcher = start_job(tmp_path, 4, "slowtest", timeouts)
-    worker = None
+    env = {**os.environ, "OOBLECK_FAULT": "node=2,step=2,phase=forward,action=stop"}
+    launcher = start_job(tmp_path, 4, "slowtest", timeouts, env)
     try:
-        wait_for_step_one(tmp_path, launcher)
-        worker = node_worker("slowtest", 2)
-        worker.suspend()  # the worker only: its agent keeps the node's lease alive
-        deadline = time.monotonic() + 120
-        while "recovering" not in (tmp_path / "logs/node0.log").read_text():  # the others timed out
-            assert time.monotonic() < deadline, "the paused worker's peers never timed out"
+        deadline = time.monotonic() + 200
+        # a peer's "recovering" line (the stopped worker cannot write one): the others timed out
+        while not any("recovering" in log.read_text() for log in (tmp_path / "logs").glob("node*.log")):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the stopped worker's peers never timed out"
             time.sleep(0.2)
+        worker = node_worker("slowtest", 2)
+        assert worker.status() == psutil.STATUS_STOPPED
         worker.resume()
         out, _ = launcher.communicate(timeout=300)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        for proc in run_processes("slowtest"):  # a stopped worker cannot notice its agent is gone
+            proc.kill()
     assert launcher.returncode == 0, out
     log = records(tmp_path / "job/metrics.jsonl")
     recoveries = [r for r in log if r.get("event") == "recovery"]

@@ -1,4 +1,5 @@
-"""Fault injection for tests and demos: SIGKILL a whole node at a named phase of a step.
+"""Fault injection for tests and demos: SIGKILL a whole node at a named phase of a step (or,
+with `action=stop`, SIGSTOP the worker alone: a hung worker whose agent keeps the lease).
 
     OOBLECK_FAULT="node=2,step=7,phase=backward"            one fault
     OOBLECK_FAULT="node=2,step=7,phase=backward;node=0,step=9,phase=commit"
@@ -23,6 +24,7 @@ from oobleck_elastic.errors import ConfigError
 
 __all__ = ["Fault", "parse_faults", "FaultInjector", "PHASES"]
 
+ACTIONS = ("kill", "stop")
 PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "transfer", "agreement", "restore")
 
 
@@ -31,16 +33,18 @@ class Fault:
     node: int
     step: int
     phase: str
+    action: str = "kill"
 
 
 def parse_faults(text: str) -> list[Fault]:
     faults = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         fields = dict(item.split("=", 1) for item in part.split(",") if "=" in item)
-        if set(fields) != {"node", "step", "phase"} or fields["phase"] not in PHASES:
-            raise ConfigError(f"OOBLECK_FAULT entry {part!r} must be node=N,step=K,phase=P with P one of "
-                              f"{', '.join(PHASES)}")
-        faults.append(Fault(int(fields["node"]), int(fields["step"]), fields["phase"]))
+        if not {"node", "step", "phase"} <= set(fields) <= {"node", "step", "phase", "action"} \
+                or fields["phase"] not in PHASES or fields.get("action", "kill") not in ACTIONS:
+            raise ConfigError(f"OOBLECK_FAULT entry {part!r} must be node=N,step=K,phase=P[,action=A] with P one "
+                              f"of {', '.join(PHASES)} and A one of {', '.join(ACTIONS)}")
+        faults.append(Fault(int(fields["node"]), int(fields["step"]), fields["phase"], fields.get("action", "kill")))
     return faults
 
 
@@ -58,7 +62,8 @@ class FaultInjector:
         return cls(node, parse_faults(os.environ.get("OOBLECK_FAULT", "")), store)
 
     def __call__(self, phase: str) -> None:
-        if any(f.step == self.step and f.phase == phase for f in self.faults):
+        fault = next((f for f in self.faults if f.step == self.step and f.phase == phase), None)
+        if fault is not None:
             record = {"time": time.time(), "node": self.node, "step": self.step, "phase": phase}
             if self.store is not None:
                 self.store.set_json(f"faults/{self.node}", record)
@@ -66,7 +71,11 @@ class FaultInjector:
             if log:  # when the kill happened, for benchmarks/recovery.py
                 with open(log, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            self.kill_node()
+            if fault.action == "stop":
+                self.faults.remove(fault)  # once: after SIGCONT the step is replayed
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                self.kill_node()
 
     @staticmethod
     def kill_node() -> None:
