@@ -149,7 +149,9 @@ def test_node_joins_mid_run_after_a_failure(tmp_path):
 
 
 def run_checkpointed(tmp_path, interval: int):
-    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=3,phase=backward;node=3,step=3,phase=backward"}
+    # nodes 1 and 3 die together, then node 4 while the checkpoint is being restored
+    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=3,phase=backward;node=3,step=3,phase=backward;"
+                                          "node=4,step=3,phase=restore"}
     extra = ["--set", f"checkpoint.interval={interval}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]
     return subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
                            "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT,
@@ -158,13 +160,15 @@ def run_checkpointed(tmp_path, interval: int):
 
 
 def test_more_than_f_failures_fall_back_to_the_checkpoint(tmp_path, failure_free):
-    # f = 1; nodes 1 and 3 sit in different pipelines, so some layers lose every replica.
+    # f = 1; nodes 1 and 3 sit in different pipelines, so some layers lose every replica. Node 4
+    # dies while the restored generation is built, which has no in-memory base: the survivors
+    # restore the checkpoint again instead of crashing (issue 10, item 2).
     proc = run_checkpointed(tmp_path, interval=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "restored the checkpoint of step 2" in proc.stdout
     log = records(tmp_path / "job/metrics.jsonl")
     (recovery,) = [r for r in log if r.get("event") == "recovery"]
-    assert recovery["restored_from"] == 2 and recovery["lost"] == [1, 3]
+    assert recovery["restored_from"] == 2 and recovery["lost"] == [1, 3, 4]
     steps = [r["step"] for r in log if "step" in r and "event" not in r]
     assert steps == [0, 1, 2, 2, 3, 4, 5], "steps after the checkpoint run again"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002", "step_00000004", "step_00000006"]
@@ -245,24 +249,6 @@ def port_open(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def test_a_node_dies_while_a_checkpoint_is_restored(tmp_path, failure_free):
-    """The restored generation's build fails too (it has no in-memory base): the survivors
-    restore the checkpoint again instead of crashing (issue 10, item 2)."""
-    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=3,phase=backward;node=3,step=3,phase=backward;"
-                                          "node=4,step=3,phase=restore"}
-    extra = ["--set", "checkpoint.interval=2", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]
-    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
-                           "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT,
-                           *job_args(tmp_path, "job"), *extra], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    log = records(tmp_path / "job/metrics.jsonl")
-    (recovery,) = [r for r in log if r.get("event") == "recovery"]
-    assert recovery["restored_from"] == 2 and recovery["lost"] == [1, 3, 4]
-    assert [r["step"] for r in log if "step" in r and "event" not in r] == [0, 1, 2, 2, 3, 4, 5]
-    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
 def test_a_kill_in_the_last_steps_optimizer_phase_still_ends_the_run(tmp_path, failure_free):
