@@ -383,6 +383,8 @@ class _Run:
             except LayersLostError as exc:
                 return self._restore_checkpoint(old, alive, dead, f"{cause}; {exc}", phases, t0)
             inst, actions = recon.instantiation, list(recon.actions)
+        elif dead:  # only nodes the base does not have (joiners) were lost: back to the base's layout
+            inst, actions = base_inst, [f"node(s) {dead} lost before they were built in: generation {base}'s layout"]
         else:  # slow is not dead: every node answered, so the step is replayed by the same nodes
             self._count_retry(step, cause)
             inst, actions = base_inst, ["every node answered the roll call: rebuilt with the same nodes"]
