@@ -33,7 +33,7 @@ class Trainer:
 
 def run_for(node: int, held, completed: int) -> tuple[_Run, list]:
     run = _Run.__new__(_Run)  # no store, no process group: only the decision is under test
-    run.me, run.cfg, run.templates = WorkerRef(node, 0), load_config(None, ["checkpoint.dir=ckpt"]), TEMPLATES
+    run.me, run.cfg, run.templates = WorkerRef(node, 0), load_config(None, ["checkpoint.dir=ckpt", "train.global_batch_size=24", "train.microbatch_size=2"]), TEMPLATES
     run.trainer, run.records, run.last_transfers = Trainer(held, completed), {}, []
     built = []
     run._enter = lambda g, start, inst, transfers, restore_from=None: built.append(
@@ -78,4 +78,28 @@ def test_a_worker_left_out_or_at_another_step_is_fenced():
     run.records[1] = record(1, BASE, 0)
     with pytest.raises(Fenced, match="starts at step 5 but this worker has completed 4"):
         run._adopt(record(2, AFTER, 5, base=1))
+    assert not built
+
+
+def test_a_forged_or_damaged_record_is_refused_before_anything_acts_on_it():
+    """Issue 10, item 7: a record read from the store is checked against the job first."""
+    from oobleck_elastic.errors import OobleckError
+    from oobleck_elastic.planning import Instantiation, PipelinePlan
+
+    run, built = run_for(2, (0, 1), completed=5)
+    run.records[1] = record(1, BASE, 0)
+    short = Instantiation(pipelines=(PipelinePlan(template=2, nodes=(0, 1), microbatches=3, iteration_ms=1.0),
+                                     PipelinePlan(template=2, nodes=(2, 4), microbatches=3, iteration_ms=1.0)),
+                          global_batch_size=24, microbatch_size=2, iteration_ms=1.0)
+    with pytest.raises(OobleckError, match="hold 12 samples, not the global batch of 24"):
+        run._adopt(record(2, short, 5, base=1))
+    twice = Instantiation(pipelines=(PipelinePlan(template=2, nodes=(0, 1), microbatches=6, iteration_ms=1.0),
+                                     PipelinePlan(template=2, nodes=(1, 2), microbatches=6, iteration_ms=1.0)),
+                          global_batch_size=24, microbatch_size=2, iteration_ms=1.0)
+    with pytest.raises(OobleckError, match="not distinct node ids"):
+        run._adopt(record(2, twice, 5, base=1))
+    with pytest.raises(OobleckError, match="not an earlier generation"):
+        run._adopt(record(2, AFTER, 5, base=7))
+    with pytest.raises(OobleckError, match="not one this job wrote"):
+        run._adopt({"generation": 2, "nodes": [0]})
     assert not built

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.errors import LayersLostError, OobleckError
+from oobleck_elastic.errors import LayersLostError, OobleckError, PlanningError
 from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import (
     Fenced,
@@ -39,6 +39,7 @@ from oobleck_elastic.planning import (
     ModelProfile,
     TemplateSet,
     WorkerRef,
+    check_instantiation,
     instantiate,
     layer_holders,
     plan_templates,
@@ -219,7 +220,7 @@ class _Run:
         proposed: a restore record is restored from the checkpoint, any other is built from its
         base with the transfers every member derives alike. A worker left out, or at another
         step than the record, is fenced. Returns a failure cause, or None once built."""
-        g = record["generation"]
+        g = self._check_record(record)
         if self.me.node not in record["nodes"]:
             raise Fenced(f"[node {self.me.node}] fenced: not a member of generation {g} ({record['cause']})")
         self.records[g] = record
@@ -242,8 +243,31 @@ class _Run:
 
     def _record(self, generation: int) -> dict:
         if generation not in self.records:
-            self.records[generation] = self.store.get_json(f"generation/{generation}", 10.0)
+            record = self.store.get_json(f"generation/{generation}", 10.0)
+            self._check_record(record)
+            self.records[generation] = record
         return self.records[generation]
+
+    def _check_record(self, record: dict) -> int:
+        """The record's generation, once the record is one this job could have written: the
+        store is shared state, and nothing read from it is acted on unchecked (README: trust
+        model)."""
+        train = self.cfg.train
+        try:
+            g, base, start = record["generation"], record["base"], record["start_step"]
+            inst = from_jsonable(Instantiation, record["instantiation"])
+            check_instantiation(inst, self.templates, train.global_batch_size, train.microbatch_size)
+            if sorted(record["nodes"]) != list(inst.nodes):
+                raise ValueError(f"its nodes {record['nodes']} are not its instantiation's {list(inst.nodes)}")
+            if not (isinstance(start, int) and 0 <= start <= train.steps):
+                raise ValueError(f"start step {start!r} is outside the run's 0..{train.steps}")
+            if base is not None and not (isinstance(base, int) and 0 <= base < g):
+                raise ValueError(f"base {base!r} is not an earlier generation")
+        except (KeyError, TypeError, ValueError, PlanningError) as exc:
+            raise OobleckError(f"generation record {record.get('generation')!r} in the membership store is not one "
+                               f"this job wrote ({exc}); only the job's own nodes may write to its store "
+                               "(README: trust model)") from None
+        return g
 
     def _enter(self, generation: int, start_step: int, inst: Instantiation, transfers,
                restore_from: str | None = None) -> str | None:

@@ -5,7 +5,14 @@ runs work anywhere.
 """
 
 from oobleck_elastic.planning.cost import Cluster, iteration_ms
-from oobleck_elastic.planning.instantiate import Instantiation, PipelinePlan, build_instantiation, instantiate, split_batch
+from oobleck_elastic.planning.instantiate import (
+    Instantiation,
+    PipelinePlan,
+    build_instantiation,
+    check_instantiation,
+    instantiate,
+    split_batch,
+)
 from oobleck_elastic.planning.profile import LayerProfile, ModelProfile, synthetic_gpt
 from oobleck_elastic.planning.reconfigure import (
     ReconfigurationPlan,
@@ -29,7 +36,7 @@ from oobleck_elastic.planning.values import dumps, from_jsonable, loads, to_json
 __all__ = [
     "Cluster", "Instantiation", "LayerProfile", "ModelProfile", "PipelinePlan", "PipelineTemplate",
     "ReconfigurationPlan", "StagePlan", "TemplateSet", "Transfer", "WorkerRef", "build_instantiation",
-    "dumps", "from_jsonable", "instantiate", "iteration_ms", "layer_holders", "loads", "plan_template",
+    "check_instantiation", "dumps", "from_jsonable", "instantiate", "iteration_ms", "layer_holders", "loads", "plan_template",
     "plan_templates", "plan_transfers", "reconfigure", "simulate_1f1b", "split_batch", "synthetic_gpt",
     "template_from_bounds", "to_jsonable",
 ]

@@ -26,7 +26,8 @@ import numpy as np
 from oobleck_elastic.errors import InfeasibleBatchError, PlanningError
 from oobleck_elastic.planning.templates import PipelineTemplate, TemplateSet
 
-__all__ = ["PipelinePlan", "Instantiation", "instantiate", "split_batch", "build_instantiation"]
+__all__ = ["PipelinePlan", "Instantiation", "check_instantiation", "instantiate", "split_batch",
+           "build_instantiation"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,30 @@ class Instantiation:
             slices.append((start, end))
             start = end
         return slices
+
+
+def check_instantiation(inst: Instantiation, templates: TemplateSet, global_batch: int, microbatch: int) -> None:
+    """Raises PlanningError unless `inst` is one this job could run: its batch, pipelines of
+    templates it has on as many distinct nodes, and microbatches that cover the global batch
+    exactly (an instantiation read from the store is checked before anything acts on it)."""
+    by_nodes = templates.by_nodes()
+    problems = []
+    if (inst.global_batch_size, inst.microbatch_size) != (global_batch, microbatch):
+        problems.append(f"batch {inst.global_batch_size}/{inst.microbatch_size}, the job's is {global_batch}/{microbatch}")
+    for i, p in enumerate(inst.pipelines):
+        if p.template not in by_nodes or len(p.nodes) != p.template:
+            problems.append(f"pipeline {i} runs a {p.template}-node template on {len(p.nodes)} node(s) "
+                            f"(templates: {sorted(by_nodes)})")
+        if p.microbatches < 1:
+            problems.append(f"pipeline {i} has {p.microbatches} microbatches")
+    everyone = [n for p in inst.pipelines for n in p.nodes] + list(inst.spares)
+    if len(set(everyone)) != len(everyone) or any(not isinstance(n, int) or n < 0 for n in everyone):
+        problems.append(f"nodes {everyone} are not distinct node ids")
+    covered = sum(p.microbatches for p in inst.pipelines) * microbatch
+    if inst.pipelines and covered != global_batch:
+        problems.append(f"its microbatches hold {covered} samples, not the global batch of {global_batch}")
+    if problems:
+        raise PlanningError("invalid instantiation: " + "; ".join(problems))
 
 
 def _capacity(times: np.ndarray, first: int, target: float) -> int:
