@@ -161,7 +161,8 @@ class Generation:
         return float(sum(loss.detach().double() for loss in losses)), int(targets.shape[0])
 
     def sync_gradients(self) -> None:
-        """Sums each layer's gradient over its replicas: one flat all-reduce per replica set."""
+        """Sums each layer's gradient over its replicas (one flat all-reduce per replica set) and
+        each tied parameter's over every copy on every replica (one all-reduce per tie)."""
         self._fault("grad_sync")
         pending, tied = [], []
         for group, layer_ids in self.grad_groups:
