@@ -8,11 +8,13 @@ it can carry that step's time; `flush_recovery()` writes it without when no step
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.monitoring.layout import render_layout
 from oobleck_elastic.monitoring.metrics import JsonlSink, MultiSink
 from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
@@ -22,6 +24,8 @@ from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.trainer import StepStats
 
 __all__ = ["RunReport"]
+
+logger = logging.getLogger(__name__)
 
 
 class RunReport:
@@ -60,7 +64,10 @@ class RunReport:
                "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
                "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": self.cfg.train.steps}
         self.sink.write(rec)
-        self.store.set_json("progress", rec)
+        try:  # the launcher's mirror only: a store hiccup here must not fail a committed step
+            self.store.set_json("progress", rec)
+        except (OobleckError, RuntimeError) as exc:  # torch's store errors are RuntimeErrors
+            logger.warning("could not publish the progress of step %d: %s", stats.step, str(exc).splitlines()[0][:160])
 
     def recovery(self, *, plan: GenerationPlan, record: dict, first_generation: int, before: set[int],
                  transfers: list, phases: dict[str, float], total_s: float, failed_at: float | None,
