@@ -7,7 +7,14 @@ from __future__ import annotations
 import threading
 import time
 
-from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, commit_step, ready_joiners, roll_call
+from oobleck_elastic.elastic.membership import (
+    Heartbeat,
+    LeaseWatcher,
+    commit_step,
+    ready_joiners,
+    report_ready,
+    roll_call,
+)
 from oobleck_elastic.elastic.store import host_store
 
 
@@ -39,12 +46,24 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
     for node in range(6):
         store.register_node({"host": "h"})
     for node in (3, 4, 5):
-        store.set_json(f"nodes/{node}/ready", True)
+        report_ready(store, node, 1)
     store.set_json("nodes/4/dead", {"why": "test"})
     assert ready_joiners(store, [0, 1, 2]) == [3, 5], "no limit: every ready, live node"
     assert ready_joiners(store, [0, 1, 2], max_nodes=4) == [3], "room for one more"
     assert ready_joiners(store, [0, 1, 2, 3], max_nodes=4) == [], "full: node 5 waits, ready"
     assert ready_joiners(store, [0, 3], max_nodes=4) == [5], "a member lost makes room"
+
+
+def test_a_joining_node_is_ready_when_all_its_workers_are():
+    """Issue 10, item 9: the first worker of a 2-worker node used to mark the node ready while
+    its sibling was still planning."""
+    store = host_store("127.0.0.1", 0, "readyall")
+    for node in range(2):
+        store.register_node({"host": "h"})
+    report_ready(store, 1, 2)
+    assert ready_joiners(store, [0]) == []
+    report_ready(store, 1, 2)
+    assert ready_joiners(store, [0]) == [1]
 
 
 def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
@@ -53,7 +72,7 @@ def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
     store = host_store("127.0.0.1", 0, "deadjoiner")
     for node in range(3):
         store.register_node({"host": "h"})
-        store.set_json(f"nodes/{node}/ready", True)
+        report_ready(store, node, 1)
     beating = Heartbeat(store, 2, interval=0.05)
     watcher = LeaseWatcher(store, timeout=0.5)
     try:

@@ -35,7 +35,7 @@ from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError
 
 __all__ = ["Fenced", "Heartbeat", "check_same_job", "LeaseWatcher", "StepAborted", "commit_step", "current_generation",
-           "decide_abort", "roll_call", "propose_generation", "mark_dead", "ready_joiners"]
+           "decide_abort", "roll_call", "propose_generation", "mark_dead", "ready_joiners", "report_ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,18 @@ def check_same_job(store: MembershipStore, job: dict[str, object]) -> None:
                            "Start every node with the same model and config, or give this job its own --rdzv-id")
 
 
+def report_ready(store: MembershipStore, node: int, workers: int) -> None:
+    """One worker of a joining node is ready (profiled, planned): the node is ready once all
+    `workers` of it are, not when its first one is."""
+    store.set_json(f"nodes/{node}/workers", workers)
+    store.add(f"nodes/{node}/ready", 1)
+
+
+def _is_ready(store: MembershipStore, node: int) -> bool:
+    workers = store.try_get_json(f"nodes/{node}/workers")
+    return workers is not None and store.add(f"nodes/{node}/ready", 0) >= workers
+
+
 def ready_joiners(store: MembershipStore, members: Iterable[int], max_nodes: int | None = None,
                   watcher: LeaseWatcher | None = None) -> list[int]:
     """Registered nodes, not members and not dead (marked, or with `watcher`, a lease that has
@@ -135,7 +147,7 @@ def ready_joiners(store: MembershipStore, members: Iterable[int], max_nodes: int
     wait, ready, until a member is lost."""
     members = set(members)
     ready = [n for n in range(store.add("nodes/next", 0))
-             if n not in members and store.try_get_json(f"nodes/{n}/ready")
+             if n not in members and _is_ready(store, n)
              and store.try_get_json(f"nodes/{n}/dead") is None
              and not (watcher is not None and watcher.dead([n]))]
     return ready if max_nodes is None else ready[:max(0, max_nodes - len(members))]

@@ -30,6 +30,7 @@ from oobleck_elastic.elastic.membership import (
     current_generation,
     decide_abort,
     propose_generation,
+    report_ready,
     roll_call,
 )
 from oobleck_elastic.elastic.store import MembershipStore, connect_store, host_store
@@ -201,7 +202,7 @@ class _Run:
 
     def _join(self) -> str | None:
         """A node started after the run began: gets ready, waits to be admitted, receives its layers."""
-        self.store.set_json(f"nodes/{self.me.node}/ready", True)
+        report_ready(self.store, self.me.node, self.env.local_world_size)
         logger.info("[node %d] ready to join; waiting for admission", self.me.node)
         deadline = time.monotonic() + self.cfg.elastic.join_timeout_s
         while True:
