@@ -17,6 +17,7 @@ profiled again, so a stale cache is never used.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -125,8 +126,16 @@ def profile_model(spec: ModelSpec, *, microbatch_size: int, dtype: str, seed: in
                   iterations: int = 5, optimizer: OptimizerConfig | None = None,
                   device: torch.device | str = "cpu") -> ModelProfile:
     """Measures every layer of `spec` on `device` (see module docstring)."""
-    device = torch.device(device)
     optimizer = optimizer or OptimizerConfig()
+    profile = _measure(spec, microbatch_size=microbatch_size, dtype=dtype, seed=seed, iterations=iterations,
+                       optimizer=optimizer, device=device)
+    return dataclasses.replace(profile, signature=_signature(spec, optimizer, dtype))
+
+
+def _measure(spec: ModelSpec, *, microbatch_size: int, dtype: str, seed: int, iterations: int,
+             optimizer: OptimizerConfig, device: torch.device | str) -> ModelProfile:
+    """The measurements, with an empty signature (the callers set it)."""
+    device = torch.device(device)
     torch_dtype = DTYPES[dtype]
     x, target = spec.sample_batch(microbatch_size)
     x = x.to(device=device, dtype=torch_dtype if x.is_floating_point() else x.dtype)
@@ -136,7 +145,7 @@ def profile_model(spec: ModelSpec, *, microbatch_size: int, dtype: str, seed: in
         layer, x = _profile_layer(spec, i, x, target, seed=seed, dtype=torch_dtype, device=device,
                                   iterations=iterations, optimizer=optimizer)
         layers.append(layer)
-    return ModelProfile(signature=_signature(spec, optimizer, dtype), microbatch_size=microbatch_size,
+    return ModelProfile(signature="", microbatch_size=microbatch_size,
                         dtype=dtype, device=_device_name(device), torch_version=torch.__version__,
                         device_memory_bytes=device_memory_bytes(device), layers=tuple(layers))
 
@@ -147,7 +156,10 @@ def _signature(spec: ModelSpec, optimizer: OptimizerConfig, dtype: str) -> str:
 
 def profile_path(directory: str, spec: ModelSpec, *, microbatch_size: int, dtype: str,
                  optimizer: OptimizerConfig, device: torch.device | str = "cpu") -> str:
-    key = _key(spec, microbatch_size, dtype, optimizer, torch.device(device))
+    return _path(directory, spec, _key(spec, microbatch_size, dtype, optimizer, torch.device(device)))
+
+
+def _path(directory: str, spec: ModelSpec, key: dict[str, object]) -> str:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     name = spec.name.replace("/", "_").replace(".", "_") or "model"
     return os.path.join(directory, f"{name}-{digest}.json")
@@ -167,9 +179,8 @@ def load_or_profile(spec: ModelSpec, *, directory: str, microbatch_size: int, dt
     (profile, came_from_cache)."""
     optimizer = optimizer or OptimizerConfig()
     device = torch.device(device)
-    path = profile_path(directory, spec, microbatch_size=microbatch_size, dtype=dtype,
-                        optimizer=optimizer, device=device)
-    expected = _key(spec, microbatch_size, dtype, optimizer, device)
+    expected = _key(spec, microbatch_size, dtype, optimizer, device)  # the fingerprint, built once
+    path = _path(directory, spec, expected)
     if os.path.exists(path):
         try:
             cached = ModelProfile.load(path)
@@ -179,7 +190,8 @@ def load_or_profile(spec: ModelSpec, *, directory: str, microbatch_size: int, dt
             if cached.key() == expected and cached.num_layers == spec.num_layers:
                 return cached, True
             logger.info("profile cache %s is stale (key changed); profiling again", path)
-    profile = profile_model(spec, microbatch_size=microbatch_size, dtype=dtype, seed=seed,
-                            iterations=iterations, optimizer=optimizer, device=device)
+    profile = dataclasses.replace(_measure(spec, microbatch_size=microbatch_size, dtype=dtype, seed=seed,
+                                           iterations=iterations, optimizer=optimizer, device=device),
+                                  signature=expected["signature"])
     profile.save(path)
     return profile, False
