@@ -3,6 +3,10 @@
 User-facing entry points:
     python -m oobleck_elastic.launch   torchrun's flags plus --oobleck-*, the oobleck agent
     python -m oobleck_elastic.plan     dry-run the planner
+    python -m oobleck_elastic.train    train the job's model (model.hf / model.factory) on its data
+    python -m oobleck_elastic.export   the latest checkpoint in the model's own format
+    python -m oobleck_elastic.data.prepare   tokenize text into a token file
+    oobleck_elastic.models.hf_model / sequential_model               Hugging Face and torch models
     oobleck_elastic.elastic.worker.run_worker(model, dataset, cfg)   in a training script
     oobleck_elastic.runtime.model.ModelSpec / LayerSpec               the model interface
 Importing the package itself loads neither torch nor any process group.
