@@ -90,7 +90,8 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 def run_ours(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
     sets = ["--set", f"train.steps={steps}", "--set", "train.global_batch_size=60",
             "--set", f"monitoring.metrics_path={tmp}/ours/metrics.jsonl",
-            "--set", f"monitoring.tensorboard_dir={tmp}/ours/tb", "--set", "checkpoint.interval=0"]
+            "--set", f"monitoring.tensorboard_dir={tmp}/ours/tb", "--set", "checkpoint.interval=0",
+            "--set", f"checkpoint.dir={tmp}/ours/checkpoints"]
     env = {**os.environ, "OOBLECK_FAULT": f"node={KILLED},step={kill_step},phase=backward",
            "OOBLECK_FAULT_LOG": f"{tmp}/ours/kill.jsonl"}
     os.makedirs(f"{tmp}/ours", exist_ok=True)
@@ -133,7 +134,8 @@ def run_ours_under_torchrun(tmp: str, nodes: int, steps: int, kill_step: int) ->
                          "--rdzv-id=bench", "--monitor-interval=0.1", os.path.join(ROOT, "examples/gpt/train.py"),
                          "--config", CONFIG, "--set", f"train.steps={steps}", "--set", "train.global_batch_size=60",
                          "--set", f"monitoring.metrics_path={work}/metrics.jsonl",
-                         "--set", f"monitoring.tensorboard_dir={work}/tb", "--set", "checkpoint.interval=0"],
+                         "--set", f"monitoring.tensorboard_dir={work}/tb", "--set", "checkpoint.interval=0",
+                         "--set", f"checkpoint.dir={work}/checkpoints"],
                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             deadline = time.monotonic() + 600
             for proc in procs:

@@ -127,7 +127,7 @@ def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> No
     if store.try_get_json("done"):
         return
     for k, p in enumerate(procs):
-        if k in dead or p.poll() is None:
+        if k in dead or p.poll() is None or p.returncode == 0:  # 0: it finished (a stop, the end)
             continue
         dead.add(k)
         node = _node_of_pid(store, p.pid)
@@ -160,6 +160,36 @@ def _local_store(args: argparse.Namespace, run_id: str):
     port = int(args.rdzv_endpoint.rpartition(":")[2]) if args.rdzv_endpoint else 0
     store = host_store("127.0.0.1", port, run_id)
     return store, f"127.0.0.1:{store.port}"
+
+
+class _StopOnSignal:
+    """SIGTERM or Ctrl-C: the first asks the run to stop after its current step (Note: [stop on
+    request] in elastic/agent.py), the second kills the nodes. The handler only takes note; the
+    launcher's loop writes the request (no store call from inside a signal handler)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.sent = False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def publish(self, store) -> None:
+        if self.signal is None or self.sent:
+            return
+        from oobleck_elastic.elastic.membership import request_stop
+
+        request_stop(store, f"the launcher ({self.signal})")
+        self.sent = True
+        print(f"oobleck: {self.signal}: stopping after the current step and writing a checkpoint "
+              "(again to kill the nodes now)", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
@@ -196,14 +226,20 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     generation = 0
     finished_at = None
     dead: set[int] = set()
+    resumed = None
+    stopper = _StopOnSignal()
     try:
         while any(p.poll() is None for p in procs):
+            stopper.publish(store)
             _mark_dead_nodes(store, procs, dead)
             rec = store.try_get_json("progress")
             if rec and rec["step"] != last_step:
                 first = first or (time.monotonic(), rec["step"] + 1)
                 # a line whenever a multiple of the interval was passed: polling may skip steps
                 if (rec["step"] + 1) // interval > (last_step + 1) // interval or rec["step"] + 1 == rec["total_steps"]:
+                    if resumed is None and (resumed := store.try_get_json("resumed") or {}):
+                        print(f"oobleck: resumed from step {resumed['step']} (the checkpoint of run "
+                              f"{resumed['from_run']} in {resumed['checkpoint_dir']})", flush=True)
                     print(_progress_line(rec, first), flush=True)
                 last_step = rec["step"]
                 while pending_adds and rec["step"] + 1 >= pending_adds[0]:
@@ -234,15 +270,11 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
                     break
             time.sleep(0.1)
     except KeyboardInterrupt:
-        print("interrupted: stopping every node", file=sys.stderr)
+        print("interrupted: killing every node", file=sys.stderr)
     finally:
-        for p in procs:
+        stopper.restore()
+        for p in procs:  # what is left is stuck or was interrupted twice (a SIGTERM would ask for a stop)
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # a stopped (SIGSTOP) node ignores SIGTERM
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         for log in logs:
@@ -262,6 +294,10 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
                 print(f"  {errors[-1]}", file=sys.stderr)
                 break
         return 1
+    if done.get("stopped"):
+        print(f"oobleck: stopped on request after step {done['steps']}; its checkpoint is in {done['checkpoint_dir']}: "
+              "run the same command to resume from it")
+        return 0
     print(f"oobleck: finished {done['steps']} steps in {time.monotonic() - started:.1f} s")
     if cfg:
         print(f"  metrics log: {cfg.monitoring.metrics_path}")
@@ -279,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_node(args)
         cfg = job_config_of(args.training_script_args)
         if cfg is not None and args.module and args.training_script == "oobleck_elastic.train":
-            from oobleck_elastic.train import prepare
+            from oobleck_elastic.train import check_resume, prepare
 
-            prepare(cfg)  # the model and data are checked here, not in every node's log
+            check_resume(cfg, *prepare(cfg))  # model, data and checkpoint checked here, not in every node's log
         if args.oobleck_local_nodes:
             if args.oobleck_local_nodes < 1:
                 raise OobleckError(f"--oobleck-local-nodes must be >= 1, got {args.oobleck_local_nodes}")

@@ -22,7 +22,7 @@ from oobleck_elastic.config import JobConfig, load_config
 from oobleck_elastic.errors import ConfigError, exit_status
 from oobleck_elastic.runtime.model import ModelSpec
 
-__all__ = ["prepare", "main"]
+__all__ = ["prepare", "check_resume", "main"]
 
 
 def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any]:
@@ -45,6 +45,18 @@ def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any]:
         raise ConfigError("the job names no data: set data.tokens to a token file (python -m "
                           "oobleck_elastic.data.prepare writes one), or return a dataset from model.factory")
     return spec, data
+
+
+def check_resume(cfg: JobConfig, spec: ModelSpec, data: Any) -> int | None:
+    """The step the job will resume from (checkpoint.resume), or None; a checkpoint that cannot
+    be resumed is one OobleckError here, before any node starts, and is left untouched."""
+    from oobleck_elastic.runtime.checkpoint import checkpoint_id, find_resume
+
+    if cfg.checkpoint.resume == "never":
+        return None
+    found = find_resume(cfg.checkpoint.dir, checkpoint_id("launcher", spec, cfg, len(data)),
+                        load_step=cfg.checkpoint.load_step, max_step=cfg.train.steps)
+    return None if found is None else found[0]
 
 
 def main(argv: list[str] | None = None) -> int:

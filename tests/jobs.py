@@ -21,7 +21,8 @@ def job_args(tmp_path, name):
             "--set", "train.dtype=float64", "--set", "planner.memory_per_worker=16MB",
             "--set", f"planner.profile_dir={tmp_path.parent / 'profiles'}",
             "--set", f"monitoring.metrics_path={tmp_path / name / 'metrics.jsonl'}",
-            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}"]
+            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}",
+            "--set", f"checkpoint.dir={tmp_path / name / 'checkpoints'}"]
 
 
 def records(path):

@@ -1,9 +1,12 @@
-"""Checkpoints are complete or ignored: the manifest (Note: [checkpoint manifest]) names the run,
-the job and every layer file's checksum; another run's or job's checkpoint in the same
-directory, a half-rewritten step or a damaged file is never loaded."""
+"""Checkpoints are complete or ignored (Note: [checkpoint manifest]): a checkpoint is published
+by one rename once its manifest is written; the fallback of a run loads only its own (or the
+one it resumed from); resuming loads the newest checkpoint of the same job and names what
+differs otherwise; a damaged file is never loaded; nothing is written by a failed resume."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import pytest
@@ -13,8 +16,10 @@ from examples.gpt.model import GPTConfig, gpt_model
 from oobleck_elastic.config import load_config
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.checkpoint import (
-    CheckpointId,
+    checkpoint_id,
+    find_resume,
     job_digest,
+    job_key,
     latest_checkpoint,
     load_model_state,
     mark_complete,
@@ -22,9 +27,9 @@ from oobleck_elastic.runtime.checkpoint import (
     save_layers,
 )
 from oobleck_elastic.runtime.layers import LayerStore
-from oobleck_elastic.runtime.model import model_fingerprint
 
 SPEC = gpt_model(GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=2, dataset_size=32))
+WIDER = gpt_model(GPTConfig(vocab_size=16, seq_len=4, d_model=12, n_heads=2, n_layers=2, dataset_size=32))
 
 
 def store(seed: int) -> LayerStore:
@@ -34,29 +39,50 @@ def store(seed: int) -> LayerStore:
     return layers
 
 
-def write(root, step, layers, ident):
-    save_layers(str(root), step, layers, range(SPEC.num_layers))
-    mark_complete(str(root), step, ident, SPEC.export)
+def ident(run_id: str, *sets: str, spec=SPEC, samples: int = 32):
+    return checkpoint_id(run_id, spec, load_config(None, list(sets)), samples)
+
+
+def write(root, step, layers, ident, keep=None):
+    save_layers(str(root), step, layers, range(SPEC.num_layers), ident.run_id)
+    mark_complete(str(root), step, ident, SPEC.export, keep=keep)
+
+
+def snapshot(root):
+    """Every file under `root` with its content's hash: what a failed resume must not change."""
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            out[os.path.relpath(path, root)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
 
 
 def test_another_runs_or_jobs_checkpoint_is_never_loaded(tmp_path):
-    first = CheckpointId("run-a", "digest-1", SPEC.num_layers)
+    """The in-run fallback: only this run's checkpoints of this job, or the one it resumed from."""
+    first = ident("run-a")
     write(tmp_path, 4, store(0), first)
     assert latest_checkpoint(str(tmp_path), first) == 4
-    assert latest_checkpoint(str(tmp_path), CheckpointId("run-b", "digest-1", SPEC.num_layers)) is None
-    assert latest_checkpoint(str(tmp_path), CheckpointId("run-a", "digest-2", SPEC.num_layers)) is None
-    assert latest_checkpoint(str(tmp_path), CheckpointId("run-a", "digest-1", SPEC.num_layers + 1)) is None
+    assert latest_checkpoint(str(tmp_path), ident("run-b")) is None
+    assert latest_checkpoint(str(tmp_path), ident("run-a", "train.seed=1")) is None
+    assert latest_checkpoint(str(tmp_path), ident("run-a", spec=WIDER)) is None
+    import dataclasses
+
+    assert latest_checkpoint(str(tmp_path), dataclasses.replace(ident("run-b"), resumed=("run-a", 4))) == 4
 
 
-def test_a_step_being_rewritten_is_not_complete(tmp_path):
-    """A second run writing the same step: until its manifest is written the step is no
-    checkpoint for anyone (not the first run's, not a mix of both)."""
-    first, second = CheckpointId("a", "d", SPEC.num_layers), CheckpointId("b", "d", SPEC.num_layers)
+def test_a_step_being_rewritten_is_replaced_whole(tmp_path):
+    """A second run writing the same step writes beside it and replaces it by one rename: the
+    published step is always one run's whole checkpoint, never a mix of both."""
+    first, second = ident("a"), ident("b")
     write(tmp_path, 2, store(0), first)
-    save_layers(str(tmp_path), 2, store(1), [0])  # the second run died after one layer
-    assert latest_checkpoint(str(tmp_path), first) is None
+    save_layers(str(tmp_path), 2, store(1), [0], "b")  # the second run died after one layer
+    assert latest_checkpoint(str(tmp_path), first) == 2, "the first run's step 2 stands until replaced whole"
     assert latest_checkpoint(str(tmp_path), second) is None
+    assert sorted(os.listdir(tmp_path)) == [".partial-step_00000002-b", "step_00000002"]
     write(tmp_path, 2, store(1), second)
+    assert latest_checkpoint(str(tmp_path), first) is None
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002"]
     assert latest_checkpoint(str(tmp_path), second) == 2
     restored = LayerStore(SPEC, load_config(None, []).train, torch.device("cpu"))
     restore_layers(str(tmp_path), 2, restored, range(SPEC.num_layers))
@@ -67,37 +93,39 @@ def test_a_step_being_rewritten_is_not_complete(tmp_path):
 
 
 def test_a_damaged_file_is_never_loaded(tmp_path):
-    ident = CheckpointId("a", "d", SPEC.num_layers)
-    write(tmp_path, 1, store(0), ident)
-    write(tmp_path, 2, store(0), ident)
+    me = ident("a")
+    write(tmp_path, 1, store(0), me)
+    write(tmp_path, 2, store(0), me)
     path = tmp_path / "step_00000002" / "layer_0001.pt"
     data = bytearray(path.read_bytes())
     data[-20] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert latest_checkpoint(str(tmp_path), ident) == 1, "the damaged step is skipped, the older one used"
+    assert latest_checkpoint(str(tmp_path), me) == 1, "the damaged step is skipped, the older one used"
     with pytest.raises(OobleckError, match="does not match its checksum"):
         restore_layers(str(tmp_path), 2, LayerStore(SPEC, load_config(None, []).train, torch.device("cpu")), [1])
     with pytest.raises(OobleckError, match="does not match its checksum"):
         load_model_state(str(tmp_path), 2, SPEC.num_layers)
     os.remove(tmp_path / "step_00000001" / "layer_0000.pt")
-    assert latest_checkpoint(str(tmp_path), ident) is None
+    assert latest_checkpoint(str(tmp_path), me) is None
 
 
-def test_job_digest_follows_the_training_config_and_model():
-    fp = model_fingerprint(SPEC, torch.float32)
+def test_job_digest_follows_what_fixes_a_step_not_what_may_change_on_resume():
     cfg = load_config(None, [])
-    same = job_digest(fp, cfg.train, cfg.data)
-    assert same == job_digest(fp, load_config(None, []).train, cfg.data)
-    assert same != job_digest(fp, load_config(None, ["train.seed=1"]).train, cfg.data)
-    assert same != job_digest(fp, cfg.train, load_config(None, ["data.seq_len=7"]).data)
-    assert same != job_digest("other", cfg.train, cfg.data)
+    same = job_digest(job_key("m", cfg, 32))
+    assert same == job_digest(job_key("m", load_config(None, []), 32))
+    for changed in ("train.seed=1", "train.global_batch_size=64", "train.dtype=float64", "data.seq_len=7",
+                    "train.optimizer.name=SGD"):
+        assert same != job_digest(job_key("m", load_config(None, [changed]), 32)), changed
+    assert same != job_digest(job_key("other", cfg, 32)) != job_digest(job_key("m", cfg, 33))
+    for free in ("train.steps=99", "train.optimizer.lr=0.1", "train.microbatch_size=8", "checkpoint.interval=3"):
+        assert same == job_digest(job_key("m", load_config(None, [free]), 32)), free
 
 
 def test_a_checkpoint_dir_that_is_not_shared_is_a_clear_error(tmp_path):
     """The node completing the set does not see the others' files (issue 10, item 9)."""
-    save_layers(str(tmp_path), 3, store(0), [0, 1])  # this node's layers; the others wrote elsewhere
+    save_layers(str(tmp_path), 3, store(0), [0, 1], "a")  # this node's layers; the others wrote elsewhere
     with pytest.raises(OobleckError, match="must be a directory every node shares"):
-        mark_complete(str(tmp_path), 3, CheckpointId("a", "d", SPEC.num_layers))
+        mark_complete(str(tmp_path), 3, ident("a"))
 
 
 def test_export_takes_the_newest_runs_checkpoint_not_the_highest_step(tmp_path):
@@ -105,8 +133,59 @@ def test_export_takes_the_newest_runs_checkpoint_not_the_highest_step(tmp_path):
 
     from oobleck_elastic.export import export_checkpoint
 
-    write(tmp_path / "ckpt", 6, store(0), CheckpointId("long-run", "d", SPEC.num_layers))
-    write(tmp_path / "ckpt", 3, store(1), CheckpointId("short-run", "d", SPEC.num_layers))
+    os.makedirs(tmp_path / "ckpt")
+    write(tmp_path / "ckpt", 6, store(0), ident("long-run"))
+    write(tmp_path / "ckpt", 3, store(1), ident("short-run"))
     assert export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out")) == (3, "safetensors")
     exported = load_file(tmp_path / "out/model.safetensors")
     assert torch.equal(exported["embed.tokens.weight"], store(1)[0].module.state_dict()["embed.tokens.weight"])
+
+
+def test_resume_takes_the_newest_checkpoint_of_the_job_or_the_one_named(tmp_path):
+    write(tmp_path, 4, store(0), ident("a"))
+    write(tmp_path, 8, store(1), ident("a"))
+    save_layers(str(tmp_path), 12, store(0), [0], "a")  # killed while writing step 12: never loaded
+    later = ident("b", "train.steps=30", "train.optimizer.lr=0.01")  # another run; steps and lr may change
+    step, manifest = find_resume(str(tmp_path), later, load_step=None, max_step=30)
+    assert (step, manifest["run_id"]) == (8, "a")
+    assert find_resume(str(tmp_path), later, load_step=4, max_step=30)[0] == 4
+    assert find_resume(str(tmp_path / "empty"), later, load_step=None, max_step=30) is None
+    with pytest.raises(OobleckError, match=r"load_step=5: .* no checkpoint of step 5 \(steps found: 4, 8\)"):
+        find_resume(str(tmp_path), later, load_step=5, max_step=30)
+    with pytest.raises(OobleckError, match="it is after step 8 but train.steps is 6"):
+        find_resume(str(tmp_path), later, load_step=None, max_step=6)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("model", r"the model differs \(embed.tokens.weight is float32\[16, 12\] here, float32\[16, 8\] in the "
+              r"checkpoint; .*\(and \d+ more\)"),
+    ("batch", r"train.global_batch_size = 64 here, 32 in the checkpoint"),
+    ("manifest", r"its manifest.json is damaged or missing"),
+    ("file", r"a layer file is missing or does not match its checksum"),
+])
+def test_a_checkpoint_that_cannot_be_resumed_is_one_clear_error_and_stays_untouched(tmp_path, case, expected):
+    write(tmp_path, 4, store(0), ident("a"))
+    me = ident("b")
+    if case == "model":
+        me = ident("b", spec=WIDER)
+    elif case == "batch":
+        me = ident("b", "train.global_batch_size=64")
+    elif case == "manifest":
+        (tmp_path / "step_00000004/manifest.json").write_text('{"format": 3, "step": 4, "run_')
+    else:
+        (tmp_path / "step_00000004/layer_0002.pt").write_bytes(b"not a layer")
+    before = snapshot(tmp_path)
+    with pytest.raises(OobleckError, match=expected) as caught:
+        find_resume(str(tmp_path), me, load_step=None, max_step=10)
+    assert "\n" not in str(caught.value) and "checkpoint.resume=never" in str(caught.value)
+    assert snapshot(tmp_path) == before
+
+
+def test_keep_retains_the_newest_checkpoints_of_this_job_only(tmp_path):
+    other = ident("x", "train.seed=5")
+    save_layers(str(tmp_path), 1, store(5), range(SPEC.num_layers), "x")
+    mark_complete(str(tmp_path), 1, other)
+    for step in (2, 4, 6):
+        write(tmp_path, step, store(0), ident("a"), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000004", "step_00000006"]
+    assert json.loads((tmp_path / "step_00000001/manifest.json").read_text())["run_id"] == "x"

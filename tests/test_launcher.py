@@ -24,7 +24,8 @@ def job_args(tmp_path, name, *extra):
             "--set", "train.dtype=float64", "--set", "planner.memory_per_worker=1GB",
             "--set", f"planner.profile_dir={tmp_path / 'profiles'}",
             "--set", f"monitoring.metrics_path={tmp_path / name / 'metrics.jsonl'}",
-            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}", *extra]
+            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}",
+            "--set", f"checkpoint.dir={tmp_path / name / 'checkpoints'}", *extra]
 
 
 def records(path):

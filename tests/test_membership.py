@@ -13,6 +13,7 @@ from oobleck_elastic.elastic.membership import (
     commit_step,
     ready_joiners,
     report_ready,
+    request_stop,
     roll_call,
 )
 from oobleck_elastic.elastic.store import host_store
@@ -89,11 +90,25 @@ def test_a_commit_removes_the_previous_steps_keys():
     store = host_store("127.0.0.1", 0, "commits")
     watcher = LeaseWatcher(store, timeout=30.0)
     for step in range(3):
-        assert commit_step(store, 0, step, 1, [0], watcher, timeout=10.0) == []
-    assert store.try_get_json("gen0/step2/decision") == {"outcome": "commit", "join": []}
+        assert commit_step(store, 0, step, 1, [0], watcher, timeout=10.0) == ([], False)
+    assert store.try_get_json("gen0/step2/decision") == {"outcome": "commit", "join": [], "stop": False}
     for step in (0, 1):
         assert store.try_get_json(f"gen0/step{step}/decision") is None
         assert store.add(f"gen0/step{step}/ready", 0) == 0
+
+
+def test_a_stop_request_is_carried_by_the_next_commit():
+    """A stop asked for while a step is computed ends the run after that step, for everyone at
+    once (the decision carries it), and no joiner is admitted at that boundary."""
+    store = host_store("127.0.0.1", 0, "stops")
+    watcher = LeaseWatcher(store, timeout=30.0)
+    store.add("nodes/next", 2)
+    report_ready(store, 1, 1)  # node 1 is ready to join
+    store.add("gen0/step0/ready", 1)  # the other worker of the step is ready already
+    assert commit_step(store, 0, 0, 2, [0], watcher, timeout=10.0) == ([1], False)
+    store.add("gen0/step1/ready", 1)
+    request_stop(store, "test")
+    assert commit_step(store, 0, 1, 2, [0], watcher, timeout=10.0) == ([], True)
 
 
 def test_a_node_started_with_another_job_is_refused_naming_the_keys():

@@ -233,15 +233,30 @@ class PlannerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Periodic checkpoints: the fallback when more failures than replicas occur."""
+    """Checkpoints: what a stopped job resumes from, and the fallback when more failures than
+    replicas occur (runtime/checkpoint.py Note: [checkpoint manifest])."""
 
     dir: str = "checkpoints"
-    """Directory of checkpoints (one file per layer, written atomically)."""
+    """Directory of checkpoints, shared by every node (one file per layer; a step is published
+    by one rename once complete)."""
     interval: int = 50
-    """Steps between checkpoints; 0 disables them."""
+    """Steps between checkpoints; 0: only the final one (after the last step or a stop)."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: a job started with checkpoints of the same job in `dir` continues from the newest
+    (a checkpoint of another job is an error naming the difference); never: start afresh."""
+    load_step: int | None = None
+    """With resume: auto, the step to resume from instead of the newest."""
+    keep: int | None = None
+    """Keep only the newest this many checkpoints of the job (null: keep all)."""
 
     def __post_init__(self) -> None:
         _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (0 disables), got {self.interval}")
+        if self.load_step is not None:
+            _check(self.load_step >= 0, f"checkpoint.load_step must be >= 0 or null, got {self.load_step}")
+            _check(self.resume == "auto", "checkpoint.load_step picks the checkpoint to resume from; it needs "
+                                          "checkpoint.resume=auto, got never")
+        if self.keep is not None:
+            _check(self.keep >= 1, f"checkpoint.keep must be >= 1 or null (keep all), got {self.keep}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,19 +1,50 @@
 """The oobleck elastic agent: torch's LocalElasticAgent with the `oobleck` rendezvous, which
-registers the node, keeps its lease and tells the workers where the run lives."""
+registers the node, keeps its lease and tells the workers where the run lives.
+
+Note: [stop on request]
+    A scheduler stops a job by sending SIGTERM to its processes (before preemption, at the end
+    of an allocation). torch's agent would kill its workers at once; this one asks the run to
+    stop instead (`membership.request_stop`): the next step's commit carries the request to
+    every worker, they finish that step, write the final checkpoint and exit 0, and a relaunch
+    of the same job resumes from exactly there. A second SIGTERM is torch's: the workers are
+    killed. Under stock torchrun the agent is torch's, so a SIGTERM kills that node's workers
+    and the others recover without it (README: stopping and resuming).
+"""
 
 from __future__ import annotations
 
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+import logging
+import signal
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+
+from oobleck_elastic.elastic.membership import request_stop
 from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
 
 __all__ = ["OobleckAgent"]
 
+logger = logging.getLogger(__name__)
+
 
 class OobleckAgent(LocalElasticAgent):
-    """Checks that it runs with the oobleck rendezvous; stock torchrun's agent works too."""
+    """torch's agent, but a SIGTERM stops the run after its current step (Note: [stop on
+    request]) instead of killing this node's workers."""
+
+    _stop_requested = False
 
     def _start_workers(self, worker_group):
         handler = worker_group.spec.rdzv_handler
         assert isinstance(handler, OobleckRendezvousHandler), "the oobleck agent needs the oobleck rendezvous"
-        return super()._start_workers(worker_group)
+        assigned = super()._start_workers(worker_group)
+        # torch registers its own handler when it starts the workers (PContext.start): ours replaces it
+        signal.signal(signal.SIGTERM, lambda signum, frame: self._on_sigterm(handler))
+        return assigned
+
+    def _on_sigterm(self, handler: OobleckRendezvousHandler) -> None:
+        if self._stop_requested:
+            raise SignalException("a second SIGTERM: killing the workers", sigval=signal.SIGTERM)
+        self._stop_requested = True
+        logger.warning("[node %s] SIGTERM: the run stops after its current step and writes a checkpoint "
+                       "(a second SIGTERM kills the workers)", handler.node)
+        request_stop(handler.store, f"node {handler.node}'s agent (SIGTERM)")

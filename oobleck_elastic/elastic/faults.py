@@ -5,7 +5,8 @@ with `action=stop`, SIGSTOP the worker alone: a hung worker whose agent keeps th
     OOBLECK_FAULT="node=2,step=7,phase=backward;node=0,step=9,phase=commit"
 
 Phases: forward, backward, grad_sync, commit, optimizer, transfer, agreement, restore (while a
-generation restored from a checkpoint is built). A worker of the
+generation restored from a checkpoint is built), checkpoint (once this worker has written its
+layers of the checkpoint after step K, before the checkpoint is published). A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -25,7 +26,8 @@ from oobleck_elastic.errors import ConfigError
 __all__ = ["Fault", "parse_faults", "FaultInjector", "PHASES"]
 
 ACTIONS = ("kill", "stop")
-PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "transfer", "agreement", "restore")
+PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "transfer", "agreement", "restore",
+          "checkpoint")
 
 
 @dataclass(frozen=True)

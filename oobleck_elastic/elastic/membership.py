@@ -3,9 +3,10 @@
 Note: [step transaction]
     Step k of generation g is committed when every member worker has finished its collectives
     for it: each adds 1 to `gen<g>/step<k>/ready`; the one that brings it to the world size
-    writes `gen<g>/step<k>/decision` = "commit" with compare-and-set (or "commit+join" with the
-    node ids of joiners that are ready: everyone then grows the job at the same step boundary).
-    A worker that fails, or
+    writes `gen<g>/step<k>/decision` = "commit" with compare-and-set, with the node ids of
+    joiners that are ready (everyone then grows the job at the same step boundary), or with
+    `stop` when a stop was requested (`request_stop`: everyone then writes the final checkpoint
+    after this step and exits; Note: [stop on request] in elastic/worker.py). A worker that fails, or
     that sees a member dead while waiting, writes "abort" with the same compare-and-set, so a
     late commit cannot race an abort: exactly one decision exists. Committed: every survivor
     applies its optimizer step (local work, nothing can fail remotely). Aborted: gradients are
@@ -35,7 +36,7 @@ from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError
 
 __all__ = ["Fenced", "Heartbeat", "check_same_job", "LeaseWatcher", "StepAborted", "commit_step", "current_generation",
-           "decide_abort", "roll_call", "propose_generation", "mark_dead", "ready_joiners", "report_ready"]
+           "decide_abort", "roll_call", "propose_generation", "mark_dead", "ready_joiners", "report_ready", "request_stop"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,15 +154,24 @@ def ready_joiners(store: MembershipStore, members: Iterable[int], max_nodes: int
     return ready if max_nodes is None else ready[:max(0, max_nodes - len(members))]
 
 
+def request_stop(store: MembershipStore, by: str) -> None:
+    """Asks the run to stop after the step being computed (the next commit carries it); `by`
+    says who asked, for the logs."""
+    store.set_json("stop", {"by": by, "at": time.time()})
+
+
 def commit_step(store: MembershipStore, generation: int, step: int, world_size: int, members: Iterable[int],
-                watcher: LeaseWatcher, timeout: float, max_nodes: int | None = None) -> list[int]:
+                watcher: LeaseWatcher, timeout: float, max_nodes: int | None = None) -> tuple[list[int], bool]:
     """Reports this worker ready for `step` and waits for the decision (Note: [step transaction]).
-    Returns the nodes to admit after this step; raises StepAborted if the step was aborted."""
+    Returns the nodes to admit after this step and whether the run stops after it; raises
+    StepAborted if the step was aborted."""
     key = f"gen{generation}/step{step}"
     members = list(members)
     if store.add(f"{key}/ready", 1) == world_size:
-        joiners = ready_joiners(store, members, max_nodes, watcher)
-        if store.create_json(f"{key}/decision", {"outcome": "commit", "join": joiners}):
+        # a stop requested before any worker reported ready is seen here (it was written first)
+        stop = store.try_get_json("stop") is not None
+        joiners = [] if stop else ready_joiners(store, members, max_nodes, watcher)
+        if store.create_json(f"{key}/decision", {"outcome": "commit", "join": joiners, "stop": stop}):
             # Everyone reported ready for this step, so everyone has read the previous step's
             # decision: its keys can go (a long run would otherwise pile up two keys a step).
             for name in ("ready", "decision"):
@@ -182,7 +192,7 @@ def commit_step(store: MembershipStore, generation: int, step: int, world_size: 
         time.sleep(store.poll_s)
     if decision["outcome"] != "commit":
         raise StepAborted(f"step {step} of generation {generation} was aborted")
-    return decision["join"]
+    return decision["join"], bool(decision.get("stop"))
 
 
 def decide_abort(store: MembershipStore, generation: int, step: int) -> str:

@@ -95,6 +95,19 @@ class RunReport:
         self.sink.write(rec)
         self.store.set_json(f"recovery/{rec['generation']}", rec)
 
+    def resumed(self, first: dict, directory: str) -> None:
+        """Generation 0 continues a stopped job from its checkpoint (the launcher says so)."""
+        rec = {"event": "resumed", "step": first["start_step"], "from_run": first["resumed"]["run_id"],
+               "checkpoint_dir": directory, "time": time.time()}
+        self.sink.write(rec)
+        self.store.set_json("resumed", rec)
+
+    def stopped(self, steps: int, directory: str) -> None:
+        """The run stopped on request after `steps` steps, with their checkpoint written."""
+        self.flush_recovery()
+        self.sink.write({"event": "stopped", "steps": steps, "checkpoint_dir": directory, "time": time.time()})
+        self.store.set_json("done", {"steps": steps, "stopped": True, "checkpoint_dir": directory})
+
     def final(self, steps: int, sums: list[float], norms: list[float]) -> None:
         self.flush_recovery()
         self.sink.write({"event": "final", "steps": steps, "param_sums": sums, "param_norms": norms})

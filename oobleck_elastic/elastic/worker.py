@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from oobleck_elastic.elastic.membership import (
     decide_abort,
     propose_generation,
     report_ready,
+    request_stop,
     roll_call,
 )
 from oobleck_elastic.elastic.store import MembershipStore, connect_store, host_store
@@ -49,7 +51,15 @@ from oobleck_elastic.planning import (
 )
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
-from oobleck_elastic.runtime.checkpoint import CheckpointId, job_digest, plain, latest_checkpoint, mark_complete, save_layers
+from oobleck_elastic.runtime.checkpoint import (
+    checkpoint_id,
+    find_resume,
+    latest_checkpoint,
+    mark_complete,
+    plain,
+    remove_partials,
+    save_layers,
+)
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.profiler import load_or_profile
@@ -155,8 +165,10 @@ class _Run:
         self.max_nodes: int | None = None  # the job's limit on nodes, read once at the start
         self.retries: dict[int, int] = {}  # step -> replays after failures in which no node was lost
         self.fingerprint = model_fingerprint(model, DTYPES[cfg.train.dtype])
-        digest = job_digest(self.fingerprint, cfg.train, cfg.data)
-        self.checkpoint_id = CheckpointId(env.run_id, digest, model.num_layers)
+        self.checkpoint_id = checkpoint_id(env.run_id, model, cfg, len(dataset))
+        self.saved_step: int | None = None  # the step whose checkpoint holds this run's current state
+        self.stop_requested = False  # set by SIGTERM in a worker running alone (run_worker)
+        self.stopped = False  # a committed stop: the final checkpoint is written, the run ends
 
     def _job(self) -> dict[str, object]:
         """What every node of the run must agree on (flat dotted keys, JSON values)."""
@@ -189,16 +201,54 @@ class _Run:
         gc.collect()
         gc.freeze()
         if record["generation"] == 0 and "instantiation" not in record:
-            inst = instantiate(self.templates, nodes, self.cfg.train.global_batch_size,
-                               self.cfg.train.microbatch_size)
-            # every worker computes the same; the record makes it readable by later joiners
-            self.store.create_json("generation/0", {**record, "base": None, "cause": None,
-                                                    "instantiation": to_jsonable(inst)})
-            failure = self._adopt(self.store.get_json("generation/0", 10.0))
+            if (self.env.node, self.env.local_rank) == (min(nodes), 0):
+                self.store.create_json("generation/0", self._first_record(record, nodes))
+            first = self._wait_first_record()
+            self._note_resumed(first)
+            failure = self._adopt(first)
         else:
+            self._note_resumed(self.store.try_get_json("generation/0") or {})
             failure = self._join()
         if failure:
             raise RuntimeError(f"could not enter the run: {failure}")
+
+    def _first_record(self, record: dict, nodes: list[int]) -> dict:
+        """Generation 0, by the first worker of the first node: its instantiation, and the
+        checkpoint it resumes from (checkpoint.resume) if any. A checkpoint that cannot be
+        resumed is published as `start_error`, so every worker fails with the same line."""
+        inst = instantiate(self.templates, nodes, self.cfg.train.global_batch_size, self.cfg.train.microbatch_size)
+        first = {**record, "base": None, "cause": None, "instantiation": to_jsonable(inst)}
+        ck = self.cfg.checkpoint
+        try:
+            found = None if ck.resume == "never" else find_resume(ck.dir, self.checkpoint_id, load_step=ck.load_step,
+                                                                    max_step=self.cfg.train.steps)
+        except OobleckError as exc:
+            self.store.set_json("start_error", {"error": str(exc)})
+            raise
+        if found is None:
+            return first
+        step, manifest = found
+        remove_partials(ck.dir, manifest["run_id"])  # what the stopped run left half-written
+        return {**first, "start_step": step, "restored_from": step, "cause": f"resumed from step {step}",
+                "resumed": {"run_id": manifest["run_id"], "step": step},
+                "actions": [f"resumed from the checkpoint of step {step} (run {manifest['run_id']}) in {ck.dir}"]}
+
+    def _wait_first_record(self) -> dict:
+        deadline = time.monotonic() + self.cfg.elastic.join_timeout_s
+        while (first := self.store.try_get_json("generation/0")) is None:
+            if (failed := self.store.try_get_json("start_error")) is not None:
+                raise OobleckError(failed["error"])
+            if time.monotonic() > deadline:
+                raise OobleckError(f"generation 0 was not written within {self.cfg.elastic.join_timeout_s:.0f} s "
+                                   "(elastic.join_timeout_s): the first node's first worker did not get there")
+            time.sleep(self.store.poll_s)
+        return first
+
+    def _note_resumed(self, first: dict) -> None:
+        """A resumed run may fall back to the checkpoint it resumed from, though another run wrote it."""
+        if first.get("resumed"):
+            self.checkpoint_id = dataclasses.replace(self.checkpoint_id, resumed=(first["resumed"]["run_id"],
+                                                                                  first["resumed"]["step"]))
 
     def _join(self) -> str | None:
         """A node started after the run began: gets ready, waits to be admitted, receives its layers."""
@@ -228,6 +278,7 @@ class _Run:
         inst = self._instantiation(g)
         if record.get("restored_from") is not None:
             self.last_transfers = []
+            self.saved_step = record["start_step"]
             return self._enter(g, record["start_step"], inst, (), restore_from=self.cfg.checkpoint.dir)
         if self.trainer.layers.layers and record["start_step"] != self.trainer.completed_steps:
             raise Fenced(f"[node {self.me.node}] fenced: generation {g} starts at step {record['start_step']} "
@@ -290,6 +341,8 @@ class _Run:
             self.report = RunReport(self.cfg, self.store, self.model.num_layers)
         if self.report:
             self.report.generation(plan, self.templates)
+            if generation == 0 and self.records[0].get("resumed"):
+                self.report.resumed(self.records[0], self.cfg.checkpoint.dir)
         return None
 
     def _built_barrier(self, plan: GenerationPlan) -> None:
@@ -315,28 +368,38 @@ class _Run:
         computed = self.trainer.compute()
         if self.fault:
             self.fault("commit")
-        joiners = commit_step(self.store, plan.generation, computed.stats.step, len(plan.members),
-                              plan.instantiation.nodes, self.watcher, self.cfg.elastic.agreement_timeout_s,
-                              self.max_nodes)
+        if self.stop_requested:  # before this worker reports ready, so this step's commit carries it
+            request_stop(self.store, f"node {self.me.node} (SIGTERM)")
+            self.stop_requested = False
+        joiners, stop = commit_step(self.store, plan.generation, computed.stats.step, len(plan.members),
+                                    plan.instantiation.nodes, self.watcher, self.cfg.elastic.agreement_timeout_s,
+                                    self.max_nodes)
         if self.report:
             self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
-        self._checkpoint()
+        self._checkpoint(final=stop)
+        self.stopped = stop  # only once its checkpoint is written: a failure before then is recovered
         if joiners:
             self.grow(joiners)
 
     def _checkpoint(self, final: bool = False) -> None:
-        """Every checkpoint.interval steps, and after the last step (`final`), each layer's owner
-        writes it; whoever completes the set marks the checkpoint complete (runtime/checkpoint.py)."""
-        interval, done = self.cfg.checkpoint.interval, self.trainer.completed_steps
-        if not final and (done == self.cfg.train.steps or not interval or done % interval):
+        """Every checkpoint.interval steps, and after the last step or a stop (`final`), each
+        layer's owner writes it; whoever completes the set publishes it (runtime/checkpoint.py
+        Note: [checkpoint manifest]). A state restored from a checkpoint is not written again."""
+        ck, done = self.cfg.checkpoint, self.trainer.completed_steps
+        if done == self.saved_step or (not final and (done == self.cfg.train.steps or not ck.interval
+                                                      or done % ck.interval)):
             return
         plan = self.plan
         rank = plan.rank_of(self.me)
         owned = [i for i, r in plan.layer_owner.items() if r == rank]
-        written = save_layers(self.cfg.checkpoint.dir, done, self.trainer.layers, owned)
+        written = save_layers(ck.dir, done, self.trainer.layers, owned, self.env.run_id)
+        if self.fault:
+            self.fault.step = done
+            self.fault("checkpoint")
         if self.store.add(f"gen{plan.generation}/checkpoint{done}", written) == self.model.num_layers:
-            mark_complete(self.cfg.checkpoint.dir, done, self.checkpoint_id, self.model.export)
+            mark_complete(ck.dir, done, self.checkpoint_id, self.model.export, keep=ck.keep)
+        self.saved_step = done
 
     def grow(self, joiners: list[int]) -> None:
         """Admits ready joiners at this step boundary: every member does the same, in step."""
@@ -460,6 +523,8 @@ class _Run:
         while True:
             cause = None
             try:
+                if self.stopped:
+                    break
                 if self.trainer.completed_steps < self.cfg.train.steps:
                     self.step()
                 else:  # the end is a collective too: a failure here is recovered like any other
@@ -476,7 +541,9 @@ class _Run:
                 logger.warning("[node %d rank %d] step %d failed (%s); recovering", self.me.node,
                                self.me.local_rank, self.trainer.completed_steps, cause)
                 self.recover(cause)
-        if self.report:
+        if self.report and self.stopped:
+            self.report.stopped(self.trainer.completed_steps, self.cfg.checkpoint.dir)
+        elif self.report:
             self.report.final(self.trainer.completed_steps, sums, norms)
 
     def close(self) -> None:
@@ -506,6 +573,8 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
         _check_lease(store, env.node, cfg)
         fault = FaultInjector.from_environ(env.node, store)
     run = _Run(model, dataset, cfg, env, store, fault)
+    if local_server is not None:  # alone, SIGTERM stops after the step too (Note: [stop on request])
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "stop_requested", True))
     fenced = False
     try:
         run.run()

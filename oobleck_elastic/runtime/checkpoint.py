@@ -1,19 +1,22 @@
-"""Checkpoints: the fallback when more nodes fail than the replicas cover, and the final state.
+"""Checkpoints: what a stopped job resumes from, the fallback when more nodes fail than the
+replicas cover, and the final state.
 
 Layout: `<checkpoint.dir>/step_<k>/layer_<i>.pt` holds layer i after k optimizer steps (its
 module state under the model's own parameter names, and its optimizer's state), written once,
-by the layer's owner, atomically (a temporary file, then rename), with its SHA-256 beside it
-(`layer_<i>.sha256`). Files are per layer, so any layout, with any number of nodes, can
-restore from any checkpoint.
+by the layer's owner, with its SHA-256 beside it (`layer_<i>.sha256`). Files are per layer, so
+any layout, with any number of nodes, can restore from any checkpoint, each worker reading only
+the layers it runs.
 
 Note: [checkpoint manifest]
-    `step_<k>/complete.json` is the manifest, written last (atomically) by whoever completes
-    the set: the run id, the job's digest (model fingerprint, train and data config), the layer
-    count, every layer file's checksum and how to export the model. Rewriting a step first
-    removes its manifest. A directory without a manifest, or whose manifest names another run
-    or another job, or whose files do not match their checksums, is not a checkpoint of this
-    run: it is never loaded, so a second run in the same directory cannot restore the first
-    one's state, nor a mix of both.
+    A checkpoint is written into a hidden directory of its own (`.partial-step_<k>-<run>`) and
+    published by one rename to `step_<k>` once `manifest.json` is in it, written last by
+    whoever completes the set: the run id, the job it belongs to (`job`: what must match to
+    load it, `digest`: a hash of that), every parameter's dtype and shape, every layer file's
+    checksum and how to export the model. So a directory named `step_<k>` is complete, and a
+    checkpoint whose writers were all killed is a `.partial-*` directory that nothing loads.
+    The in-run fallback loads only checkpoints of this run (or the one it resumed from);
+    resuming loads the newest checkpoint of the same job, and names what differs when the
+    newest one belongs to another job. Files that do not match their checksums are never loaded.
 """
 
 from __future__ import annotations
@@ -24,29 +27,25 @@ import io
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.layers import LayerStore
+from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint, state_shapes
 
-__all__ = ["CheckpointId", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints", "latest_checkpoint",
-           "read_manifest", "load_model_state", "restore_layers"]
+__all__ = ["CheckpointId", "checkpoint_id", "job_key", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints",
+           "latest_checkpoint", "find_resume", "remove_partials", "read_manifest", "load_model_state",
+           "restore_layers"]
 
-MANIFEST_FORMAT = 2
-
-
-@dataclass(frozen=True)
-class CheckpointId:
-    """Whose checkpoints a run may load (Note: [checkpoint manifest])."""
-
-    run_id: str
-    digest: str
-    num_layers: int
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 3
+_STEP = re.compile(r"step_(\d+)")
 
 
 def plain(value: Any) -> Any:
@@ -60,21 +59,61 @@ def plain(value: Any) -> Any:
     return value
 
 
-def job_digest(fingerprint: str, *sections: Any) -> str:
-    """A digest of what makes two runs the same training: the model's fingerprint and the
-    given config sections (train, data)."""
-    blob = json.dumps([fingerprint, *map(plain, sections)], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def job_key(model: str, cfg, samples: int) -> dict[str, Any]:
+    """What a checkpoint must share with a job to be loaded by it (flat dotted keys): the model
+    (`name:fingerprint`), and what fixes the meaning of a step: the global batch, the seed and
+    the data (which samples step k takes), the dtype and the optimizer (the state's shapes).
+    Everything else (train.steps, the lr, the schedule, clipping, microbatches, the node count)
+    may change between a job and its resumption."""
+    train, data = cfg.train, cfg.data
+    return {"model": model, "train.global_batch_size": train.global_batch_size, "train.seed": train.seed,
+            "train.dtype": train.dtype, "train.optimizer.name": train.optimizer.name,
+            "data.seq_len": data.seq_len, "data.shuffle": data.shuffle, "data.samples": samples}
+
+
+def job_digest(job: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(plain(job), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CheckpointId:
+    """Whose checkpoints a run writes and may load (Note: [checkpoint manifest])."""
+
+    run_id: str
+    job: Mapping[str, Any] = field(compare=False, hash=False)
+    """job_key(): what must match to load a checkpoint."""
+    num_layers: int
+    params: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    """Every state_dict entry's 'dtype[shape]' (runtime.model.state_shapes)."""
+    resumed: tuple[str, int] | None = None
+    """(run id, step) of the checkpoint this run resumed from: the fallback may load it too."""
+
+    @property
+    def digest(self) -> str:
+        return job_digest(self.job)
+
+
+def checkpoint_id(run_id: str, spec: ModelSpec, cfg, samples: int) -> CheckpointId:
+    """The CheckpointId of a run of `spec` under `cfg` on a dataset of `samples` samples."""
+    dtype = DTYPES[cfg.train.dtype]
+    job = job_key(f"{spec.name}:{model_fingerprint(spec, dtype)}", cfg, samples)
+    return CheckpointId(run_id, job, spec.num_layers, params=state_shapes(spec, dtype))
 
 
 def _step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
+def _partial_dir(root: str, step: int, run_id: str) -> str:
+    return os.path.join(root, f".partial-step_{step:08d}-{run_id}")
+
+
 def _atomic_write(data: bytes, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -82,14 +121,11 @@ def _layer_file(directory: str, index: int) -> str:
     return os.path.join(directory, f"layer_{index:04d}.pt")
 
 
-def save_layers(root: str, step: int, layers: LayerStore, indices) -> int:
-    """Writes the given layers' state after `step` optimizer steps; returns how many."""
-    directory = _step_dir(root, step)
+def save_layers(root: str, step: int, layers: LayerStore, indices: Iterable[int], run_id: str) -> int:
+    """Writes the given layers' state after `step` optimizer steps into the run's partial
+    checkpoint of that step; returns how many (Note: [checkpoint manifest])."""
+    directory = _partial_dir(root, step, run_id)
     os.makedirs(directory, exist_ok=True)
-    try:  # a checkpoint being rewritten is not complete until it is marked again
-        os.remove(os.path.join(directory, "complete.json"))
-    except FileNotFoundError:
-        pass
     count = 0
     for i in indices:
         state = layers[i]
@@ -103,27 +139,175 @@ def save_layers(root: str, step: int, layers: LayerStore, indices) -> int:
     return count
 
 
-def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str, Any] | None = None) -> None:
-    """Publishes the checkpoint of `step` once every layer file is written: the manifest, last
-    (Note: [checkpoint manifest]); `model` is the ModelSpec's export description."""
-    directory = _step_dir(root, step)
+def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str, Any] | None = None,
+                  keep: int | None = None) -> None:
+    """Publishes the checkpoint of `step` once every layer file is written: the manifest, then
+    one rename (Note: [checkpoint manifest]); `model` is the ModelSpec's export description.
+    With `keep`, only the newest `keep` checkpoints of this job stay."""
+    partial = _partial_dir(root, step, ident.run_id)
     sums = []
     for i in range(ident.num_layers):
         try:
-            with open(_layer_file(directory, i)[:-3] + ".sha256") as f:
+            with open(_layer_file(partial, i)[:-3] + ".sha256") as f:
                 sums.append(f.read().strip())
         except FileNotFoundError:
-            raise OobleckError(f"checkpoint {directory}: layer {i}, written by another node, is not there; "
+            raise OobleckError(f"checkpoint {partial}: layer {i}, written by another node, is not there; "
                                "checkpoint.dir must be a directory every node shares (a network file "
                                "system), not a local one") from None
     manifest = {"format": MANIFEST_FORMAT, "step": step, "run_id": ident.run_id, "digest": ident.digest,
-                "layers": ident.num_layers, "sha256": sums, "model": dict(model or {}), "time": time.time()}
-    _atomic_write(json.dumps(manifest).encode(), os.path.join(directory, "complete.json"))
+                "job": dict(ident.job), "params": dict(ident.params), "layers": ident.num_layers,
+                "sha256": sums, "model": dict(model or {}), "time": time.time(),
+                "resumed_from": list(ident.resumed) if ident.resumed else None}
+    _atomic_write(json.dumps(manifest).encode(), os.path.join(partial, MANIFEST))
+    final = _step_dir(root, step)
+    if os.path.exists(final):  # another run's step k (or a rewrite): replaced as a whole
+        aside = os.path.join(root, f".replaced-step_{step:08d}-{os.getpid()}")
+        os.rename(final, aside)
+        os.rename(partial, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(partial, final)
+    _fsync_dir(root)
+    remove_partials(root, ident.run_id, before=step)
+    if keep:
+        ours = [s for s, meta in checkpoints(root) if meta.get("digest") == ident.digest]
+        for old in ours[keep:]:
+            shutil.rmtree(_step_dir(root, old), ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_partials(root: str, run_id: str, before: int | None = None) -> None:
+    """Removes run `run_id`'s unpublished checkpoints (of steps before `before`, or all): what its
+    writers left when they died or the step was never completed."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        match = re.fullmatch(r"\.partial-step_(\d+)-(.+)", name)
+        if match and match.group(2) == run_id and (before is None or int(match.group(1)) < before):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def read_manifest(root: str, step: int) -> dict[str, Any]:
-    with open(os.path.join(_step_dir(root, step), "complete.json")) as f:
-        return json.load(f)
+    with open(os.path.join(_step_dir(root, step), MANIFEST)) as f:
+        manifest = json.load(f)
+    if not isinstance(manifest, dict) or manifest.get("step") != step:
+        raise ValueError(f"{MANIFEST} does not describe step {step}")
+    return manifest
+
+
+def _steps(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    return sorted((int(m.group(1)) for m in map(_STEP.fullmatch, os.listdir(root)) if m), reverse=True)
+
+
+def checkpoints(root: str) -> list[tuple[int, dict[str, Any]]]:
+    """(step, manifest) of every published checkpoint under `root` whose manifest reads, newest
+    step first."""
+    found = []
+    for step in _steps(root):
+        try:
+            found.append((step, read_manifest(root, step)))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _intact(root: str, step: int, manifest: Mapping[str, Any]) -> bool:
+    for i, expected in enumerate(manifest["sha256"]):
+        try:
+            with open(_layer_file(_step_dir(root, step), i), "rb") as f:
+                if hashlib.sha256(f.read()).hexdigest() != expected:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
+def _loadable(meta: Mapping[str, Any], ident: CheckpointId) -> bool:
+    return (meta.get("format") == MANIFEST_FORMAT and meta.get("digest") == ident.digest
+            and meta.get("layers") == ident.num_layers and len(meta.get("sha256", ())) == ident.num_layers)
+
+
+def latest_checkpoint(root: str, ident: CheckpointId, *, verify: bool = True) -> int | None:
+    """The fallback of a running job: the highest step with a checkpoint of this run (or the one
+    it resumed from) and job whose files match their checksums (with `verify`), or None (Note:
+    [checkpoint manifest])."""
+    for step, meta in checkpoints(root):
+        ours = meta.get("run_id") == ident.run_id or (meta.get("run_id"), step) == ident.resumed
+        if ours and _loadable(meta, ident) and (not verify or _intact(root, step, meta)):
+            return step
+    return None
+
+
+def _differences(meta: Mapping[str, Any], ident: CheckpointId) -> list[str]:
+    theirs = meta.get("job") or {}
+    out = [f"{k} = {ident.job.get(k)!r} here, {theirs.get(k)!r} in the checkpoint"
+           for k in sorted(set(theirs) | set(ident.job)) if k != "model" and theirs.get(k) != ident.job.get(k)]
+    if theirs.get("model") != ident.job.get("model"):
+        params = meta.get("params") or {}
+        shapes = [f"{name} is {ident.params.get(name, 'absent')} here, {params.get(name, 'absent')} in the checkpoint"
+                  for name in [*ident.params, *(n for n in params if n not in ident.params)]  # model order
+                  if params.get(name) != ident.params.get(name)]
+        detail = "; ".join(shapes[:3]) + (f" (and {len(shapes) - 3} more)" if len(shapes) > 3 else "")
+        out.insert(0, f"the model differs ({detail or 'same parameters, other architecture'}; "
+                      f"{ident.job.get('model')} here, {theirs.get('model')} in the checkpoint)")
+    if meta.get("layers") != ident.num_layers and not out:
+        out.append(f"{ident.num_layers} layers here, {meta.get('layers')} in the checkpoint")
+    return out
+
+
+def find_resume(root: str, ident: CheckpointId, *, load_step: int | None, max_step: int) -> tuple[int, dict] | None:
+    """The checkpoint a starting job resumes from: `load_step`'s, else the newest one in
+    `root`; None when there is none. A checkpoint that cannot be resumed (another job, a
+    damaged manifest or file, a step beyond the run) is an OobleckError saying what differs and
+    what to do; nothing is written (Note: [checkpoint manifest])."""
+    steps = _steps(root)
+    if load_step is not None and load_step not in steps:
+        have = ", ".join(map(str, sorted(steps))) or "none"
+        raise OobleckError(f"checkpoint.load_step={load_step}: {root!r} holds no checkpoint of step {load_step} "
+                           f"(steps found: {have})")
+    if not steps:
+        return None
+    step = load_step if load_step is not None else steps[0]
+    where = _step_dir(root, step)
+    how = ("set checkpoint.load_step to another step, checkpoint.resume=never to start afresh, or another "
+           "checkpoint.dir")
+    try:
+        meta = read_manifest(root, step)
+    except (OSError, ValueError) as exc:
+        raise OobleckError(f"cannot resume from {where}: its {MANIFEST} is damaged or missing "
+                           f"({str(exc).splitlines()[0][:120]}); {how}") from None
+    if meta.get("format") != MANIFEST_FORMAT:
+        raise OobleckError(f"cannot resume from {where}: it was written by another version of oobleck_elastic "
+                           f"(manifest format {meta.get('format')!r}, this one reads {MANIFEST_FORMAT}); {how}")
+    differ = _differences(meta, ident)
+    if differ:
+        raise OobleckError(f"cannot resume from {where}: it belongs to another job: {'; '.join(differ)}. Start "
+                           f"this job with the same model and train/data settings, or {how}")
+    if step > max_step:
+        raise OobleckError(f"cannot resume from {where}: it is after step {step} but train.steps is {max_step}; "
+                           f"raise train.steps to train further, or {how}")
+    if not _intact(root, step, meta):
+        raise OobleckError(f"cannot resume from {where}: a layer file is missing or does not match its checksum "
+                           f"(changed or damaged since it was written); {how}")
+    return step, meta
+
+
+def _load_layer(root: str, step: int, index: int, expected: str | None = None) -> dict[str, Any]:
+    with open(_layer_file(_step_dir(root, step), index), "rb") as f:
+        data = f.read()
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise OobleckError(f"checkpoint {_step_dir(root, step)}: layer {index}'s file does not match its "
+                           "checksum (changed or damaged since it was written); it cannot be restored")
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def load_model_state(root: str, step: int, num_layers: int) -> dict[str, torch.Tensor]:
@@ -138,53 +322,6 @@ def load_model_state(root: str, step: int, num_layers: int) -> dict[str, torch.T
                 raise ValueError(f"checkpoint of step {step}: two layers hold different values for {name!r}")
             state[name] = value
     return state
-
-
-def checkpoints(root: str) -> list[tuple[int, dict[str, Any]]]:
-    """(step, manifest) of every complete checkpoint under `root`, newest first."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        match = re.fullmatch(r"step_(\d+)", name)
-        if not match:
-            continue
-        try:
-            found.append((int(match.group(1)), read_manifest(root, int(match.group(1)))))
-        except (OSError, ValueError):
-            continue
-    return sorted(found, key=lambda item: -item[0])
-
-
-def _intact(root: str, step: int, manifest: Mapping[str, Any]) -> bool:
-    for i, expected in enumerate(manifest["sha256"]):
-        try:
-            with open(_layer_file(_step_dir(root, step), i), "rb") as f:
-                if hashlib.sha256(f.read()).hexdigest() != expected:
-                    return False
-        except OSError:
-            return False
-    return True
-
-
-def latest_checkpoint(root: str, ident: CheckpointId, *, verify: bool = True) -> int | None:
-    """The highest step with a complete checkpoint of this run and job whose files match their
-    checksums (with `verify`), or None (Note: [checkpoint manifest])."""
-    for step, meta in checkpoints(root):
-        if (meta.get("format") == MANIFEST_FORMAT and meta.get("run_id") == ident.run_id
-                and meta.get("digest") == ident.digest and meta.get("layers") == ident.num_layers
-                and len(meta.get("sha256", ())) == ident.num_layers and (not verify or _intact(root, step, meta))):
-            return step
-    return None
-
-
-def _load_layer(root: str, step: int, index: int, expected: str | None = None) -> dict[str, Any]:
-    with open(_layer_file(_step_dir(root, step), index), "rb") as f:
-        data = f.read()
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
-        raise OobleckError(f"checkpoint {_step_dir(root, step)}: layer {index}'s file does not match its "
-                           "checksum (changed or damaged since it was written); it cannot be restored")
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def restore_layers(root: str, step: int, layers: LayerStore, indices: Iterable[int]) -> None:

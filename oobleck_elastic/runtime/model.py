@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 __all__ = ["LayerSpec", "ModelSpec", "SharedParameter", "counted_elements", "layer_seed",
-           "materialize_layer", "model_fingerprint", "DTYPES"]
+           "materialize_layer", "model_fingerprint", "state_shapes", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -129,9 +129,10 @@ class ModelSpec:
         return out
 
 
-def layer_seed(seed: int, index: int) -> int:
-    """A 63-bit seed for layer `index` of a run seeded `seed` (stable across processes)."""
-    digest = hashlib.sha256(f"oobleck-layer:{seed}:{index}".encode()).digest()
+def layer_seed(seed: int, index: int, salt: str = "layer") -> int:
+    """A 63-bit seed for layer `index` of a run seeded `seed` (stable across processes); another
+    `salt` gives another family of seeds (the trainer's per-step dropout seeds)."""
+    digest = hashlib.sha256(f"oobleck-{salt}:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
@@ -144,18 +145,30 @@ def materialize_layer(spec: ModelSpec, index: int, *, seed: int, dtype: torch.dt
     return module.to(device=device, dtype=dtype)
 
 
-def model_fingerprint(spec: ModelSpec, dtype: torch.dtype) -> str:
-    """A digest of the architecture: its description and every layer's module type, parameter
-    and buffer names, shapes and dtypes (built on the meta device: nothing is allocated or
-    loaded). Two models with the same fingerprint profile the same."""
+def _meta_states(spec: ModelSpec, dtype: torch.dtype) -> list[tuple[str, str, list[tuple[str, list[int], str]]]]:
+    """(name, module type, [(state key, shape, dtype)]) of every layer, built on the meta device."""
     layers = []
-    for i, layer in enumerate(spec.layers):
+    for layer in spec.layers:
         with torch.device("meta"):
             module = layer.factory()
         module = module.to(dtype=dtype)
         state = [(k, list(v.shape), str(v.dtype)) for k, v in module.state_dict(keep_vars=True).items()]
-        layers.append([layer.name, type(module).__qualname__, state])
+        layers.append((layer.name, type(module).__qualname__, state))
+    return layers
+
+
+def model_fingerprint(spec: ModelSpec, dtype: torch.dtype) -> str:
+    """A digest of the architecture: its description and every layer's module type, parameter
+    and buffer names, shapes and dtypes (built on the meta device: nothing is allocated or
+    loaded). Two models with the same fingerprint profile the same."""
+    layers = [list(layer) for layer in _meta_states(spec, dtype)]
     blob = json.dumps({"description": spec.description, "layers": layers,
                        "shared": [list(map(list, g.members)) for g in spec.shared]}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+
+def state_shapes(spec: ModelSpec, dtype: torch.dtype) -> dict[str, str]:
+    """Every state_dict entry of the model as 'dtype[shape]', under the model's own names (what
+    a checkpoint's manifest records, so a mismatch can be named)."""
+    return {key: f"{kind.removeprefix('torch.')}{shape}"
+            for _, _, state in _meta_states(spec, dtype) for key, shape, kind in state}

@@ -23,7 +23,7 @@ from oobleck_elastic.runtime.checkpoint import restore_layers
 from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
 from oobleck_elastic.runtime.generation import Generation
 from oobleck_elastic.runtime.layers import LayerStore, lr_factor
-from oobleck_elastic.runtime.model import ModelSpec
+from oobleck_elastic.runtime.model import ModelSpec, layer_seed
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.transfer import run_transfers
 
@@ -157,6 +157,9 @@ class Trainer:
             if gen.role.is_last:
                 consumed = batch.indices
                 self._step_count = batch.count
+        # Dropout draws from the global generator, seeded per step and worker: a step replayed
+        # or resumed on the same layout draws the same masks, and no RNG state needs saving.
+        torch.manual_seed(layer_seed(self.cfg.train.seed, step, salt=f"step:{gen.rank}"))
         loss_sum, samples = gen.forward_backward(inputs, targets)
         gen.sync_gradients()
         counts = self._step_count if gen.role is not None and gen.role.is_last and gen.role.pipeline == 0 else 0
