@@ -18,6 +18,7 @@ from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.checkpoint import (
     checkpoint_id,
     find_resume,
+    host_copy,
     job_digest,
     job_key,
     latest_checkpoint,
@@ -43,8 +44,12 @@ def ident(run_id: str, *sets: str, spec=SPEC, samples: int = 32):
     return checkpoint_id(run_id, spec, load_config(None, list(sets)), samples)
 
 
+def copies(layers: LayerStore, indices=range(SPEC.num_layers)):
+    return {i: host_copy(layers[i]) for i in indices}
+
+
 def write(root, step, layers, ident, keep=None):
-    save_layers(str(root), step, layers, range(SPEC.num_layers), ident.run_id)
+    save_layers(str(root), step, copies(layers), ident.run_id)
     mark_complete(str(root), step, ident, SPEC.export, keep=keep)
 
 
@@ -76,7 +81,7 @@ def test_a_step_being_rewritten_is_replaced_whole(tmp_path):
     published step is always one run's whole checkpoint, never a mix of both."""
     first, second = ident("a"), ident("b")
     write(tmp_path, 2, store(0), first)
-    save_layers(str(tmp_path), 2, store(1), [0], "b")  # the second run died after one layer
+    save_layers(str(tmp_path), 2, copies(store(1), [0]), "b")  # the second run died after one layer
     assert latest_checkpoint(str(tmp_path), first) == 2, "the first run's step 2 stands until replaced whole"
     assert latest_checkpoint(str(tmp_path), second) is None
     assert sorted(os.listdir(tmp_path)) == [".partial-step_00000002-b", "step_00000002"]
@@ -123,7 +128,7 @@ def test_job_digest_follows_what_fixes_a_step_not_what_may_change_on_resume():
 
 def test_a_checkpoint_dir_that_is_not_shared_is_a_clear_error(tmp_path):
     """The node completing the set does not see the others' files (issue 10, item 9)."""
-    save_layers(str(tmp_path), 3, store(0), [0, 1], "a")  # this node's layers; the others wrote elsewhere
+    save_layers(str(tmp_path), 3, copies(store(0), [0, 1]), "a")  # this node's layers; the others wrote elsewhere
     with pytest.raises(OobleckError, match="must be a directory every node shares"):
         mark_complete(str(tmp_path), 3, ident("a"))
 
@@ -144,7 +149,7 @@ def test_export_takes_the_newest_runs_checkpoint_not_the_highest_step(tmp_path):
 def test_resume_takes_the_newest_checkpoint_of_the_job_or_the_one_named(tmp_path):
     write(tmp_path, 4, store(0), ident("a"))
     write(tmp_path, 8, store(1), ident("a"))
-    save_layers(str(tmp_path), 12, store(0), [0], "a")  # killed while writing step 12: never loaded
+    save_layers(str(tmp_path), 12, copies(store(0), [0]), "a")  # killed while writing step 12: never loaded
     later = ident("b", "train.steps=30", "train.optimizer.lr=0.01")  # another run; steps and lr may change
     step, manifest = find_resume(str(tmp_path), later, load_step=None, max_step=30)
     assert (step, manifest["run_id"]) == (8, "a")
@@ -183,9 +188,52 @@ def test_a_checkpoint_that_cannot_be_resumed_is_one_clear_error_and_stays_untouc
 
 def test_keep_retains_the_newest_checkpoints_of_this_job_only(tmp_path):
     other = ident("x", "train.seed=5")
-    save_layers(str(tmp_path), 1, store(5), range(SPEC.num_layers), "x")
+    save_layers(str(tmp_path), 1, copies(store(5)), "x")
     mark_complete(str(tmp_path), 1, other)
     for step in (2, 4, 6):
         write(tmp_path, step, store(0), ident("a"), keep=2)
     assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000004", "step_00000006"]
     assert json.loads((tmp_path / "step_00000001/manifest.json").read_text())["run_id"] == "x"
+
+
+def test_a_host_copy_is_what_the_layer_was_when_copied(tmp_path):
+    """The background write saves the state of its step, not what training made of it since."""
+    layers = store(0)
+    state = layers[1]
+    for p in state.params:
+        p.grad = torch.ones_like(p)
+    state.optimizer.step()
+    copy = host_copy(state)
+    expected = {k: v.clone() for k, v in state.module.state_dict().items()}
+    moment = next(iter(state.optimizer.state.values()))["exp_avg"].clone()
+    for p in state.params:
+        p.grad = torch.ones_like(p)
+    state.optimizer.step()  # the next step changes parameters and optimizer state in place
+    assert all(torch.equal(copy["module"][k], v) for k, v in expected.items())
+    assert torch.equal(next(iter(copy["optimizer"]["state"].values()))["exp_avg"], moment)
+    assert not torch.equal(next(iter(state.optimizer.state.values()))["exp_avg"], moment)
+
+
+def test_the_background_writer_runs_one_write_at_a_time_and_keeps_its_error():
+    import threading
+
+    from oobleck_elastic.runtime.checkpoint import BackgroundWriter
+
+    writer, order, release = BackgroundWriter("test"), [], threading.Event()
+
+    def slow():
+        release.wait(10)
+        order.append("first")
+
+    def failing():
+        order.append("second")
+        raise OSError("disk full")
+
+    writer.submit(slow, timeout=10)
+    threading.Timer(0.2, release.set).start()
+    writer.submit(failing, timeout=10)  # waits for the first
+    assert isinstance(writer.wait(timeout=10), OSError) and order == ["first", "second"]
+    assert writer.wait(timeout=10) is None
+    writer.submit(lambda: release.clear() or threading.Event().wait(5), timeout=10)
+    with pytest.raises(OobleckError, match="has not finished after 0 s"):
+        writer.wait(timeout=0.01)

@@ -100,14 +100,14 @@ def test_every_node_killed_at_step_9_resumes_on_3_nodes_exactly(tmp_path, refere
 
 
 def test_a_kill_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_path, reference):
-    # node 1 stops (SIGSTOP) once it has written its layers of step 8's checkpoint; then every
-    # node is killed: step 8 is a partial directory, never loaded
-    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=8,phase=checkpoint,action=stop"}
-    launcher = start(tmp_path, 4, "midwrite", env)
+    # every worker stops (SIGSTOP) once it has written its layers of step 8's checkpoint, before
+    # the set is published; then every node is killed: step 8 is a partial directory (all its
+    # layer files, no manifest), never loaded
+    faults = ";".join(f"node={n},step=8,phase=checkpoint,action=stop" for n in range(4))
+    launcher = start(tmp_path, 4, "midwrite", {**os.environ, "OOBLECK_FAULT": faults})
     try:
-        wait_until(lambda: any(p.status() == psutil.STATUS_STOPPED for p in run_processes("midwrite")),
-                   launcher, "node 1 stopped in the middle of the checkpoint")
-        assert node_worker("midwrite", 1).status() == psutil.STATUS_STOPPED
+        wait_until(lambda: [p.status() for p in run_processes("midwrite")] == [psutil.STATUS_STOPPED] * 4,
+                   launcher, "every worker stopped in the middle of the checkpoint")
     finally:
         kill_everything(launcher, "midwrite")
     names = sorted(os.listdir(tmp_path / "job/checkpoints"))

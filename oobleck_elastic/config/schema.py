@@ -248,6 +248,9 @@ class CheckpointConfig:
     """With resume: auto, the step to resume from instead of the newest."""
     keep: int | None = None
     """Keep only the newest this many checkpoints of the job (null: keep all)."""
+    background: bool = True
+    """Write checkpoints in a background thread (the step only copies its layers' state to host
+    memory); false: the step waits until its checkpoint is on disk."""
 
     def __post_init__(self) -> None:
         _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (0 disables), got {self.interval}")

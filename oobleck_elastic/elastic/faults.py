@@ -63,10 +63,12 @@ class FaultInjector:
     def from_environ(cls, node: int, store=None) -> FaultInjector:
         return cls(node, parse_faults(os.environ.get("OOBLECK_FAULT", "")), store)
 
-    def __call__(self, phase: str) -> None:
-        fault = next((f for f in self.faults if f.step == self.step and f.phase == phase), None)
+    def __call__(self, phase: str, step: int | None = None) -> None:
+        """`step`: of a phase outside the step loop (a checkpoint written in the background)."""
+        step = self.step if step is None else step
+        fault = next((f for f in self.faults if f.step == step and f.phase == phase), None)
         if fault is not None:
-            record = {"time": time.time(), "node": self.node, "step": self.step, "phase": phase}
+            record = {"time": time.time(), "node": self.node, "step": step, "phase": phase}
             if self.store is not None:
                 self.store.set_json(f"faults/{self.node}", record)
             log = os.environ.get("OOBLECK_FAULT_LOG")

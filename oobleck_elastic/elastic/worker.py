@@ -52,8 +52,10 @@ from oobleck_elastic.planning import (
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
 from oobleck_elastic.runtime.checkpoint import (
+    BackgroundWriter,
     checkpoint_id,
     find_resume,
+    host_copy,
     latest_checkpoint,
     mark_complete,
     plain,
@@ -70,6 +72,7 @@ __all__ = ["WorkerEnv", "run_worker"]
 logger = logging.getLogger(__name__)
 
 MAX_REPLAYS_WITHOUT_LOSS = 3
+CHECKPOINT_WRITE_TIMEOUT_S = 600.0  # longest wait for the previous checkpoint's write
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,8 @@ class _Run:
         self.retries: dict[int, int] = {}  # step -> replays after failures in which no node was lost
         self.fingerprint = model_fingerprint(model, DTYPES[cfg.train.dtype])
         self.checkpoint_id = checkpoint_id(env.run_id, model, cfg, len(dataset))
-        self.saved_step: int | None = None  # the step whose checkpoint holds this run's current state
+        self.saved_step: int | None = None  # the step of the last checkpoint written or restored
+        self.writer = BackgroundWriter(f"node {env.node} rank {env.local_rank}")
         self.stop_requested = False  # set by SIGTERM in a worker running alone (run_worker)
         self.stopped = False  # a committed stop: the final checkpoint is written, the run ends
 
@@ -384,22 +388,36 @@ class _Run:
 
     def _checkpoint(self, final: bool = False) -> None:
         """Every checkpoint.interval steps, and after the last step or a stop (`final`), each
-        layer's owner writes it; whoever completes the set publishes it (runtime/checkpoint.py
-        Note: [checkpoint manifest]). A state restored from a checkpoint is not written again."""
+        layer's owner copies its layers' state and writes them (in the background unless
+        `final` or checkpoint.background is false); whoever completes the set publishes the
+        checkpoint (runtime/checkpoint.py Note: [checkpoint manifest]). A state restored from a
+        checkpoint is not written again."""
         ck, done = self.cfg.checkpoint, self.trainer.completed_steps
-        if done == self.saved_step or (not final and (done == self.cfg.train.steps or not ck.interval
-                                                      or done % ck.interval)):
+        if not final and (done == self.cfg.train.steps or not ck.interval or done % ck.interval):
+            return
+        failed = self.writer.wait(CHECKPOINT_WRITE_TIMEOUT_S)  # one write at a time
+        if failed is not None and final:
+            logger.warning("[node %d] an earlier checkpoint was not written (%s); the final one is", self.me.node,
+                           failed)
+        if done == self.saved_step:
             return
         plan = self.plan
         rank = plan.rank_of(self.me)
-        owned = [i for i, r in plan.layer_owner.items() if r == rank]
-        written = save_layers(ck.dir, done, self.trainer.layers, owned, self.env.run_id)
-        if self.fault:
-            self.fault.step = done
-            self.fault("checkpoint")
-        if self.store.add(f"gen{plan.generation}/checkpoint{done}", written) == self.model.num_layers:
-            mark_complete(ck.dir, done, self.checkpoint_id, self.model.export, keep=ck.keep)
-        self.saved_step = done
+        states = {i: host_copy(self.trainer.layers[i]) for i, r in plan.layer_owner.items() if r == rank}
+        counter = f"gen{plan.generation}/checkpoint{done}"
+
+        def write() -> None:
+            written = save_layers(ck.dir, done, states, self.env.run_id)
+            if self.fault:
+                self.fault("checkpoint", step=done)
+            if self.store.add(counter, written) == self.model.num_layers:
+                mark_complete(ck.dir, done, self.checkpoint_id, self.model.export, keep=ck.keep)
+            self.saved_step = done
+
+        if ck.background and not final:
+            self.writer.submit(write, CHECKPOINT_WRITE_TIMEOUT_S)
+        else:
+            write()
 
     def grow(self, joiners: list[int]) -> None:
         """Admits ready joiners at this step boundary: every member does the same, in step."""
@@ -547,6 +565,7 @@ class _Run:
             self.report.final(self.trainer.completed_steps, sums, norms)
 
     def close(self) -> None:
+        self.writer.wait(CHECKPOINT_WRITE_TIMEOUT_S)  # a checkpoint under way is finished, not cut
         self.trainer.shutdown()
         if self.report:
             self.report.close()

@@ -5,7 +5,9 @@ Layout: `<checkpoint.dir>/step_<k>/layer_<i>.pt` holds layer i after k optimizer
 module state under the model's own parameter names, and its optimizer's state), written once,
 by the layer's owner, with its SHA-256 beside it (`layer_<i>.sha256`). Files are per layer, so
 any layout, with any number of nodes, can restore from any checkpoint, each worker reading only
-the layers it runs.
+the layers it runs. The step only copies its layers' state to host memory (`host_copy`); a
+`BackgroundWriter` thread writes and publishes it while training goes on, one checkpoint at a
+time.
 
 Note: [checkpoint manifest]
     A checkpoint is written into a hidden directory of its own (`.partial-step_<k>-<run>`) and
@@ -25,9 +27,11 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,12 +40,14 @@ from typing import Any
 import torch
 
 from oobleck_elastic.errors import OobleckError
-from oobleck_elastic.runtime.layers import LayerStore
+from oobleck_elastic.runtime.layers import LayerState, LayerStore
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint, state_shapes
 
 __all__ = ["CheckpointId", "checkpoint_id", "job_key", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints",
            "latest_checkpoint", "find_resume", "remove_partials", "read_manifest", "load_model_state",
-           "restore_layers"]
+           "restore_layers", "host_copy", "BackgroundWriter"]
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 3
@@ -121,17 +127,32 @@ def _layer_file(directory: str, index: int) -> str:
     return os.path.join(directory, f"layer_{index:04d}.pt")
 
 
-def save_layers(root: str, step: int, layers: LayerStore, indices: Iterable[int], run_id: str) -> int:
-    """Writes the given layers' state after `step` optimizer steps into the run's partial
+def _copied(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def host_copy(state: LayerState) -> dict[str, Any]:
+    """What a checkpoint holds of one layer, copied to host memory (the live tensors go on
+    training while the copy is written): its module state and its optimizer's state."""
+    return {"module": _copied(state.module.state_dict()),
+            "optimizer": _copied(state.optimizer.state_dict()) if state.optimizer else None}
+
+
+def save_layers(root: str, step: int, states: Mapping[int, Mapping[str, Any]], run_id: str) -> int:
+    """Writes layer states (`host_copy`) after `step` optimizer steps into the run's partial
     checkpoint of that step; returns how many (Note: [checkpoint manifest])."""
     directory = _partial_dir(root, step, run_id)
     os.makedirs(directory, exist_ok=True)
     count = 0
-    for i in indices:
-        state = layers[i]
+    for i, state in states.items():
         buffer = io.BytesIO()
-        torch.save({"module": state.module.state_dict(),
-                    "optimizer": state.optimizer.state_dict() if state.optimizer else None}, buffer)
+        torch.save(dict(state), buffer)
         data = buffer.getvalue()
         _atomic_write(data, _layer_file(directory, i))
         _atomic_write(hashlib.sha256(data).hexdigest().encode(), _layer_file(directory, i)[:-3] + ".sha256")
@@ -334,3 +355,38 @@ def restore_layers(root: str, step: int, layers: LayerStore, indices: Iterable[i
         state.module.load_state_dict(data["module"])
         if state.optimizer and data["optimizer"] is not None:
             state.optimizer.load_state_dict(data["optimizer"])
+
+
+class BackgroundWriter:
+    """Runs one checkpoint write at a time in a thread, off the training step. `wait()` before
+    the next one (and before the process ends) bounds how far behind the disk may fall."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def submit(self, write, timeout: float) -> None:
+        self.wait(timeout)
+        self._thread = threading.Thread(target=self._run, args=(write,), name=f"oobleck-checkpoint-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, write) -> None:
+        try:
+            write()
+        except BaseException as exc:  # kept for wait(): training goes on, the checkpoint is not published
+            self.error = exc
+            logger.error("[%s] writing a checkpoint failed; it is not published: %s", self.name,
+                         str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+
+    def wait(self, timeout: float) -> BaseException | None:
+        """Waits for the write under way; returns (and forgets) the error of the last one."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise OobleckError(f"[{self.name}] a checkpoint write has not finished after {timeout:.0f} s; "
+                                   "is checkpoint.dir on a slow or hung file system?")
+            self._thread = None
+        error, self.error = self.error, None
+        return error
