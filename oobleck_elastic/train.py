@@ -25,9 +25,10 @@ from oobleck_elastic.runtime.model import ModelSpec
 __all__ = ["prepare", "check_resume", "main"]
 
 
-def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any]:
-    """The job's model and dataset, checked against each other (the launcher calls this before
-    any node starts, so a mistake is one line here rather than one per node log)."""
+def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any, Any]:
+    """The job's model, dataset and eval dataset (or None), checked against each other (the
+    launcher calls this before any node starts, so a mistake is one line here rather than one
+    per node log)."""
     from oobleck_elastic.data import TokenFile
     from oobleck_elastic.models import load_model
     from oobleck_elastic.runtime.data import SampleOrder
@@ -44,10 +45,18 @@ def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any]:
     if data is None:
         raise ConfigError("the job names no data: set data.tokens to a token file (python -m "
                           "oobleck_elastic.data.prepare writes one), or return a dataset from model.factory")
-    return spec, data
+    held_out = None
+    if cfg.data.eval_tokens is not None:
+        held_out = TokenFile(cfg.data.eval_tokens, seq_len=cfg.data.seq_len, dtype=cfg.data.token_dtype,
+                             vocab_size=spec.vocab_size, key="data.eval_tokens")
+        held_out.batch(range(min(len(held_out), cfg.train.global_batch_size)))  # ids beyond the vocabulary
+    if cfg.eval.interval and held_out is None:
+        raise ConfigError("eval.interval is set but the job has no eval data: set data.eval_tokens to a token file "
+                          "(python -m oobleck_elastic.data.prepare writes one)")
+    return spec, data, held_out
 
 
-def check_resume(cfg: JobConfig, spec: ModelSpec, data: Any) -> int | None:
+def check_resume(cfg: JobConfig, spec: ModelSpec, data: Any, held_out: Any = None) -> int | None:
     """The step the job will resume from (checkpoint.resume), or None; a checkpoint that cannot
     be resumed is one OobleckError here, before any node starts, and is left untouched."""
     from oobleck_elastic.runtime.checkpoint import checkpoint_id, find_resume
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def train() -> None:
         cfg = load_config(args.config, args.set)
-        run_worker(*prepare(cfg), cfg)
+        spec, data, held_out = prepare(cfg)
+        run_worker(spec, data, cfg, eval_dataset=held_out)
 
     return exit_status(train)
 

@@ -44,6 +44,9 @@ def test_bad_model_and_data_are_one_line_each_before_any_node_starts(tmp_path, c
         ([f"model.hf={gpt2}"], "the job names no data"),
         ([f"data.tokens={tokens}"], "the job names no model"),
         ([f"model.hf={gpt2}", "model.layers=3", f"data.tokens={tokens}"], "unknown key 'model.layers'"),
+        ([f"model.hf={gpt2}", f"data.tokens={tokens}", "eval.interval=2"], "the job has no eval data"),
+        ([f"model.hf={gpt2}", f"data.tokens={tokens}", f"data.eval_tokens={beyond}", "eval.interval=2"],
+         "data.eval_tokens: token id"),
     ]
     for sets, message in cases:
         code, err = run(tmp_path, capsys, *sets)

@@ -20,9 +20,13 @@ FOLLOW = 0.85
 
 
 class SyntheticTokens:
-    def __init__(self, cfg: GPTConfig, seed: int) -> None:
+    """`held_out=True`: other samples of the same language (the same successor table), for
+    evaluation."""
+
+    def __init__(self, cfg: GPTConfig, seed: int, held_out: bool = False) -> None:
         self.cfg = cfg
         self.seed = seed
+        self.first = cfg.dataset_size if held_out else 0
         g = torch.Generator().manual_seed(seed * 7919 + 17)
         self.successor = torch.randperm(cfg.vocab_size, generator=g)
 
@@ -33,7 +37,7 @@ class SyntheticTokens:
         """seq_len + 1 tokens: input is [:-1], target is [1:]."""
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} outside the dataset of {len(self)}")
-        g = torch.Generator().manual_seed((self.seed << 32) + index)
+        g = torch.Generator().manual_seed((self.seed << 32) + self.first + index)
         n = self.cfg.seq_len + 1
         noise = torch.randint(self.cfg.vocab_size, (n,), generator=g)
         follow = torch.rand(n, generator=g) < FOLLOW

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     def train() -> None:
         cfg = load_config(args.config, args.set)
         gpt = parse_gpt_config(cfg.model)
-        run_worker(gpt_model(gpt), SyntheticTokens(gpt, seed=cfg.train.seed), cfg)
+        held_out = SyntheticTokens(gpt, seed=cfg.train.seed, held_out=True)  # for eval.interval
+        run_worker(gpt_model(gpt), SyntheticTokens(gpt, seed=cfg.train.seed), cfg, eval_dataset=held_out)
 
     return exit_status(train)
 

@@ -25,6 +25,7 @@ __all__ = [
     "DataConfig",
     "MonitoringConfig",
     "ElasticConfig",
+    "EvalConfig",
     "JobConfig",
     "parse_bytes",
 ]
@@ -195,6 +196,8 @@ class DataConfig:
     shuffle: bool = True
     """Visit samples in a permutation seeded by train.seed (each epoch its own); false: global
     position j of the run is sample j mod N."""
+    eval_tokens: str | None = None
+    """Token file of the evaluation data (same format, dtype and seq_len as `tokens`)."""
 
     def __post_init__(self) -> None:
         _check(self.seq_len >= 1, f"data.seq_len must be >= 1, got {self.seq_len}")
@@ -263,6 +266,22 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Evaluation: the loss on held-out data (data.eval_tokens, or the training script's eval
+    dataset), forward only through the pipelines, averaged as training averages it."""
+
+    interval: int = 0
+    """Steps between evaluations (after steps interval, 2 x interval, ...); 0: none."""
+    steps: int = 1
+    """Batches of train.global_batch_size samples per evaluation: the first `steps` x B samples
+    of the eval data, in order, the same at every evaluation."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 0, f"eval.interval must be >= 0 (0 disables), got {self.interval}")
+        _check(self.steps >= 1, f"eval.steps must be >= 1, got {self.steps}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class MonitoringConfig:
     """Where a run reports itself."""
 
@@ -324,6 +343,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 

@@ -38,8 +38,9 @@ class TokenFile:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, seq_len: int, dtype: str = "uint16",
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, key: str = "data.tokens") -> None:
         self.path = os.fspath(path)
+        self.key = key  # the config key that names the file, for messages
         if dtype not in TOKEN_DTYPES:
             raise ConfigError(
                 f"data.token_dtype must be one of {sorted(TOKEN_DTYPES)}, got {dtype!r}")
@@ -63,18 +64,18 @@ class TokenFile:
 
     def _count_tokens(self) -> int:
         if not os.path.isfile(self.path):
-            raise ConfigError(f"data.tokens: no such file {self.path!r}; write one with "
+            raise ConfigError(f"{self.key}: no such file {self.path!r}; write one with "
                               "`python -m oobleck_elastic.data.prepare`")
         size = os.path.getsize(self.path)
         itemsize = TOKEN_DTYPES[self.dtype].itemsize
         if size % itemsize:
             raise ConfigError(
-                f"data.tokens: {self.path!r} is {size} bytes, not a multiple of {self.dtype}'s "
+                f"{self.key}: {self.path!r} is {size} bytes, not a multiple of {self.dtype}'s "
                 f"{itemsize} bytes: was it written with data.token_dtype={_OTHER[self.dtype]}?")
         n = size // itemsize
         if n < self.seq_len + 1:
             raise ConfigError(
-                f"data.tokens: {self.path!r} holds {n} tokens, too few for one sample of "
+                f"{self.key}: {self.path!r} holds {n} tokens, too few for one sample of "
                 f"data.seq_len={self.seq_len} (needs seq_len + 1 = {self.seq_len + 1}); "
                 "use more text or a smaller data.seq_len")
         return n
@@ -136,7 +137,7 @@ class TokenFile:
             return
         row, col = np.unravel_index(int(window.argmax()), window.shape)
         raise ConfigError(
-            f"data.tokens: token id {int(window[row, col])} in sample {rows[row]} of "
+            f"{self.key}: token id {int(window[row, col])} in sample {rows[row]} of "
             f"{self.path!r} is >= the model's vocab_size {self.vocab_size}: the tokenizer that "
             "wrote the file and the model do not match; re-run "
             "`python -m oobleck_elastic.data.prepare` with the model's tokenizer")

@@ -6,7 +6,8 @@ with `action=stop`, SIGSTOP the worker alone: a hung worker whose agent keeps th
 
 Phases: forward, backward, grad_sync, commit, optimizer, transfer, agreement, restore (while a
 generation restored from a checkpoint is built), checkpoint (once this worker has written its
-layers of the checkpoint after step K, before the checkpoint is published). A worker of the
+layers of the checkpoint after step K, before the checkpoint is published), eval (as the
+evaluation after step K begins). A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -27,7 +28,7 @@ __all__ = ["Fault", "parse_faults", "FaultInjector", "PHASES"]
 
 ACTIONS = ("kill", "stop")
 PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "transfer", "agreement", "restore",
-          "checkpoint")
+          "checkpoint", "eval")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ it can carry that step's time; `flush_recovery()` writes it without when no step
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -36,6 +37,7 @@ class RunReport:
         self.sink = MultiSink([JsonlSink(cfg.monitoring.metrics_path),
                                TensorBoardSink(cfg.monitoring.tensorboard_dir)])
         self.pending_recovery: dict | None = None
+        self.last_eval: int | None = None
 
     def generation(self, plan: GenerationPlan, templates: TemplateSet) -> None:
         """The plan of a generation, with its layout drawn to a PNG next to the logs."""
@@ -94,6 +96,16 @@ class RunReport:
             rec["phases_s"]["replay"] = replay_s
         self.sink.write(rec)
         self.store.set_json(f"recovery/{rec['generation']}", rec)
+
+    def evaluation(self, step: int, loss: float, tokens: int, *, perplexity: bool, seconds: float) -> None:
+        """The eval loss after `step` steps (once, though a failure may make it run again)."""
+        if step == self.last_eval:
+            return
+        self.last_eval = step
+        rec = {"event": "eval", "step": step, "loss": loss, "tokens": tokens, "seconds": seconds, "time": time.time()}
+        if perplexity:
+            rec["perplexity"] = math.exp(min(loss, 700.0))
+        self.sink.write(rec)
 
     def resumed(self, first: dict, directory: str) -> None:
         """Generation 0 continues a stopped job from its checkpoint (the launcher says so)."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.errors import LayersLostError, OobleckError, PlanningError
+from oobleck_elastic.errors import ConfigError, LayersLostError, OobleckError, PlanningError
 from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import (
     Fenced,
@@ -152,13 +152,14 @@ class _Run:
     """
 
     def __init__(self, model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv,
-                 store: MembershipStore, fault: FaultInjector | None) -> None:
+                 store: MembershipStore, fault: FaultInjector | None, eval_dataset: Dataset | None = None) -> None:
         self.model, self.cfg, self.env, self.store = model, cfg, env, store
         self.me = WorkerRef(env.node, env.local_rank)
         self.fault = fault
         self.watcher = LeaseWatcher(store, cfg.elastic.lease_timeout_s)
         self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
-                               fault=fault)
+                               fault=fault, eval_dataset=eval_dataset)
+        self.evaluated: int | None = None  # the step after which this worker last evaluated
         self.report: RunReport | None = None
         self.templates: TemplateSet | None = None
         self.plan: GenerationPlan | None = None
@@ -177,7 +178,8 @@ class _Run:
     def _job(self) -> dict[str, object]:
         """What every node of the run must agree on (flat dotted keys, JSON values)."""
         cfg = self.cfg
-        sections = {"train": cfg.train, "data": cfg.data, "planner": cfg.planner, "checkpoint": cfg.checkpoint}
+        sections = {"train": cfg.train, "data": cfg.data, "planner": cfg.planner, "checkpoint": cfg.checkpoint,
+                    "eval": cfg.eval}
         flat = {"model.fingerprint": f"{self.model.name}:{self.fingerprint}", "fault_tolerance": cfg.fault_tolerance}
         for name, section in sections.items():
             flat.update(_flatten(name, plain(section)))
@@ -444,6 +446,7 @@ class _Run:
         """Agrees on the next generation and rebuilds into it (Note: [roll call]); repeats while
         nodes keep failing during the recovery itself."""
         started = started or time.perf_counter()
+        self.evaluated = None  # an evaluation cut short on some workers is run again by all
         if self.report:
             self.report.flush_recovery()  # a failure before the last recovery's replay finished
         first_generation = self.plan.generation if first_generation is None else first_generation
@@ -506,6 +509,27 @@ class _Run:
             phases[name] = phases.get(name, 0.0) + value
         return failure
 
+    def _eval_due(self) -> bool:
+        interval, done = self.cfg.eval.interval, self.trainer.completed_steps
+        return bool(interval) and done > 0 and done % interval == 0 and self.evaluated != done
+
+    def _evaluate(self) -> None:
+        """The eval loss after this step: eval.steps batches forward only, their token-weighted
+        mean. A collective like a step: a failure here is recovered and the evaluation run again."""
+        done = self.trainer.completed_steps
+        if self.fault:
+            self.fault("eval", step=done)
+        loss_sum = tokens = 0
+        started = time.perf_counter()
+        for batch in range(self.cfg.eval.steps):
+            loss, count = self.trainer.evaluate(batch)
+            loss_sum, tokens = loss_sum + loss * count, tokens + count
+        self.evaluated = done
+        if self.report:
+            self.report.evaluation(done, loss_sum / tokens if tokens else float("nan"), tokens,
+                                   perplexity=self.model.vocab_size is not None,
+                                   seconds=time.perf_counter() - started)
+
     def _count_retry(self, step: int, cause: str) -> None:
         """A step that keeps failing with every node alive is not a node failure (a bug, out of
         memory): it ends the run after a few replays instead of looping."""
@@ -543,7 +567,9 @@ class _Run:
             try:
                 if self.stopped:
                     break
-                if self.trainer.completed_steps < self.cfg.train.steps:
+                if self._eval_due():
+                    self._evaluate()
+                elif self.trainer.completed_steps < self.cfg.train.steps:
                     self.step()
                 else:  # the end is a collective too: a failure here is recovered like any other
                     self._checkpoint(final=True)
@@ -571,9 +597,14 @@ class _Run:
             self.report.close()
 
 
-def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv | None = None) -> None:
+def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv | None = None,
+               eval_dataset: Dataset | None = None) -> None:
     """Trains `model` on `dataset` as one worker of the run described by the environment; with
-    no oobleck environment, trains alone (one node, one worker: the single-process reference)."""
+    no oobleck environment, trains alone (one node, one worker: the single-process reference).
+    `eval_dataset`: the held-out data of eval.interval."""
+    if cfg.eval.interval and eval_dataset is None:
+        raise ConfigError("eval.interval is set but the job has no eval data: set data.eval_tokens to a token file, "
+                          "or pass eval_dataset to run_worker")
     env = env or WorkerEnv.from_environ()
     local_server = None
     fault = None
@@ -591,7 +622,7 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
     if local_server is None:
         _check_lease(store, env.node, cfg)
         fault = FaultInjector.from_environ(env.node, store)
-    run = _Run(model, dataset, cfg, env, store, fault)
+    run = _Run(model, dataset, cfg, env, store, fault, eval_dataset if cfg.eval.interval else None)
     if local_server is not None:  # alone, SIGTERM stops after the step too (Note: [stop on request])
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "stop_requested", True))
     fenced = False

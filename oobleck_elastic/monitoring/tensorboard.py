@@ -28,6 +28,10 @@ class TensorBoardSink(MetricsSink):
             for key, tag in _SCALARS.items():
                 if key in record:
                     self.writer.add_scalar(tag, record[key], record["step"])
+        elif record.get("event") == "eval":
+            self.writer.add_scalar("eval/loss", record["loss"], record["step"])
+            if "perplexity" in record:
+                self.writer.add_scalar("eval/perplexity", record["perplexity"], record["step"])
         elif record.get("event") == "recovery":
             step = record["step"]
             self.writer.add_scalar("recovery/total_s", record["total_s"], step)

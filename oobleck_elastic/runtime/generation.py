@@ -160,6 +160,19 @@ class Generation:
             return 0.0, 0
         return float(sum(loss.detach().double() for loss in losses)), int(targets.shape[0])
 
+    def forward_only(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[float, int]:
+        """Runs the schedule forward only (evaluation); returns what forward_backward does."""
+        if self.role is None:
+            return 0.0, 0
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.role.is_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.role.is_last else {}
+        with torch.no_grad():
+            self.schedule.eval(*args, **kwargs)
+        if not self.role.is_last:
+            return 0.0, 0
+        return float(sum(loss.detach().double() for loss in losses)), int(targets.shape[0])
+
     def sync_gradients(self) -> None:
         """Sums each layer's gradient over its replicas (one flat all-reduce per replica set) and
         each tied parameter's over every copy on every replica (one all-reduce per tie)."""
@@ -187,10 +200,11 @@ class Generation:
         pending.clear()
         tied.clear()
 
-    def reduce_stats(self, loss_sum: float, samples: int, tokens: int = 0) -> tuple[float, int, float, int]:
+    def reduce_stats(self, loss_sum: float, samples: int, tokens: int = 0,
+                     grads: bool = True) -> tuple[float, int, float, int]:
         """World-wide (loss sum, samples, squared grad norm, tokens): each layer counted once in
-        the norm and each tied parameter once (its canonical copy)."""
-        owned = [i for i, r in self.plan.layer_owner.items() if r == self.rank]
+        the norm and each tied parameter once (its canonical copy); without `grads`, the norm is 0."""
+        owned = [i for i, r in self.plan.layer_owner.items() if r == self.rank] if grads else []
         copies = self.layers.model.tied_copies()
         sq = 0.0
         for i in owned:

@@ -66,7 +66,8 @@ class StepStats:
 
 class Trainer:
     def __init__(self, *, model: ModelSpec, dataset: Dataset, cfg: JobConfig, me: WorkerRef,
-                 store: dist.Store, device: torch.device | str = "cpu", fault=None) -> None:
+                 store: dist.Store, device: torch.device | str = "cpu", fault=None,
+                 eval_dataset: Dataset | None = None) -> None:
         check_supported(cfg)
         self.fault = fault or (lambda phase: None)
         self.model = model
@@ -78,6 +79,9 @@ class Trainer:
         self.order = SampleOrder(len(dataset), cfg.train.seed, cfg.data.shuffle)
         self.loader = BatchLoader(dataset, self.order, cfg.train.global_batch_size, model.loss_count,
                                   self.layers.device)
+        self.eval_loader = None if eval_dataset is None else BatchLoader(
+            eval_dataset, SampleOrder(len(eval_dataset), cfg.train.seed, shuffle=False), cfg.train.global_batch_size,
+            model.loss_count, self.layers.device)
         self.generation: Generation | None = None
         self.completed_steps = 0
         self.last_build_s: dict[str, float] = {}
@@ -173,6 +177,22 @@ class Trainer:
                           seconds=time.perf_counter() - start, consumed=consumed, tokens=tokens, lr=lr)
         return _Computed(stats=stats, clip_coef=coef)
 
+    def evaluate(self, batch: int) -> tuple[float, int]:
+        """The loss of eval batch `batch` (its global mean, as training averages a step's: Note:
+        [loss] in runtime/model.py) and its counted targets, world-wide; forward only."""
+        gen = self.generation
+        inputs = targets = None
+        if gen.role is not None:
+            lo, hi = gen.role.samples
+            data = self.eval_loader.get(batch, lo, hi, first=gen.role.is_first, last=gen.role.is_last)
+            inputs, targets = data.inputs, data.targets
+            if gen.role.is_last:
+                self._step_count = data.count
+        loss_sum, samples = gen.forward_only(inputs, targets)
+        counts = self._step_count if gen.role is not None and gen.role.is_last and gen.role.pipeline == 0 else 0
+        loss, _, _, tokens = gen.reduce_stats(loss_sum, samples, counts, grads=False)
+        return loss, tokens
+
     def apply(self, computed: _Computed) -> None:
         """Clips and steps every held layer's optimizer (local: cannot fail because of a peer)."""
         assert computed.stats.step == self.completed_steps, "apply() must follow its own compute()"
@@ -223,3 +243,5 @@ class Trainer:
     def shutdown(self) -> None:
         self.close()
         self.loader.close()
+        if self.eval_loader is not None:
+            self.eval_loader.close()
