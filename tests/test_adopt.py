@@ -4,6 +4,8 @@ recorders (the multi-process tests exercise the real ones)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from oobleck_elastic.config import load_config
@@ -35,6 +37,7 @@ def run_for(node: int, held, completed: int) -> tuple[_Run, list]:
     run = _Run.__new__(_Run)  # no store, no process group: only the decision is under test
     run.me, run.cfg, run.templates = WorkerRef(node, 0), load_config(None, ["checkpoint.dir=ckpt", "train.global_batch_size=24", "train.microbatch_size=2"]), TEMPLATES
     run.trainer, run.records, run.last_transfers = Trainer(held, completed), {}, []
+    run.checkpoints = types.SimpleNamespace(saved_step=None)
     built = []
     run._enter = lambda g, start, inst, transfers, restore_from=None: built.append(
         {"generation": g, "start": start, "nodes": inst.nodes, "transfers": transfers, "restore_from": restore_from})

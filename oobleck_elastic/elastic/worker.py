@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import ConfigError, LayersLostError, OobleckError, PlanningError
+from oobleck_elastic.elastic.checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.faults import FaultInjector
 from oobleck_elastic.elastic.membership import (
     Fenced,
@@ -51,17 +52,7 @@ from oobleck_elastic.planning import (
 )
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
-from oobleck_elastic.runtime.checkpoint import (
-    BackgroundWriter,
-    checkpoint_id,
-    find_resume,
-    host_copy,
-    latest_checkpoint,
-    mark_complete,
-    plain,
-    remove_partials,
-    save_layers,
-)
+from oobleck_elastic.runtime.checkpoint import plain
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.profiler import load_or_profile
@@ -72,7 +63,6 @@ __all__ = ["WorkerEnv", "run_worker"]
 logger = logging.getLogger(__name__)
 
 MAX_REPLAYS_WITHOUT_LOSS = 3
-CHECKPOINT_WRITE_TIMEOUT_S = 600.0  # longest wait for the previous checkpoint's write
 
 
 @dataclass(frozen=True)
@@ -169,9 +159,8 @@ class _Run:
         self.max_nodes: int | None = None  # the job's limit on nodes, read once at the start
         self.retries: dict[int, int] = {}  # step -> replays after failures in which no node was lost
         self.fingerprint = model_fingerprint(model, DTYPES[cfg.train.dtype])
-        self.checkpoint_id = checkpoint_id(env.run_id, model, cfg, len(dataset))
-        self.saved_step: int | None = None  # the step of the last checkpoint written or restored
-        self.writer = BackgroundWriter(f"node {env.node} rank {env.local_rank}")
+        self.checkpoints = RunCheckpoints(model, cfg, env.run_id, len(dataset),
+                                          f"node {env.node} rank {env.local_rank}", store, fault)
         self.stop_requested = False  # set by SIGTERM in a worker running alone (run_worker)
         self.stopped = False  # a committed stop: the final checkpoint is written, the run ends
 
@@ -210,10 +199,10 @@ class _Run:
             if (self.env.node, self.env.local_rank) == (min(nodes), 0):
                 self.store.create_json("generation/0", self._first_record(record, nodes))
             first = self._wait_first_record()
-            self._note_resumed(first)
+            self.checkpoints.note_first(first)
             failure = self._adopt(first)
         else:
-            self._note_resumed(self.store.try_get_json("generation/0") or {})
+            self.checkpoints.note_first(self.store.try_get_json("generation/0") or {})
             failure = self._join()
         if failure:
             raise RuntimeError(f"could not enter the run: {failure}")
@@ -224,20 +213,7 @@ class _Run:
         resumed is published as `start_error`, so every worker fails with the same line."""
         inst = instantiate(self.templates, nodes, self.cfg.train.global_batch_size, self.cfg.train.microbatch_size)
         first = {**record, "base": None, "cause": None, "instantiation": to_jsonable(inst)}
-        ck = self.cfg.checkpoint
-        try:
-            found = None if ck.resume == "never" else find_resume(ck.dir, self.checkpoint_id, load_step=ck.load_step,
-                                                                    max_step=self.cfg.train.steps)
-        except OobleckError as exc:
-            self.store.set_json("start_error", {"error": str(exc)})
-            raise
-        if found is None:
-            return first
-        step, manifest = found
-        remove_partials(ck.dir, manifest["run_id"])  # what the stopped run left half-written
-        return {**first, "start_step": step, "restored_from": step, "cause": f"resumed from step {step}",
-                "resumed": {"run_id": manifest["run_id"], "step": step},
-                "actions": [f"resumed from the checkpoint of step {step} (run {manifest['run_id']}) in {ck.dir}"]}
+        return {**first, **(self.checkpoints.resume_record() or {})}
 
     def _wait_first_record(self) -> dict:
         deadline = time.monotonic() + self.cfg.elastic.join_timeout_s
@@ -249,12 +225,6 @@ class _Run:
                                    "(elastic.join_timeout_s): the first node's first worker did not get there")
             time.sleep(self.store.poll_s)
         return first
-
-    def _note_resumed(self, first: dict) -> None:
-        """A resumed run may fall back to the checkpoint it resumed from, though another run wrote it."""
-        if first.get("resumed"):
-            self.checkpoint_id = dataclasses.replace(self.checkpoint_id, resumed=(first["resumed"]["run_id"],
-                                                                                  first["resumed"]["step"]))
 
     def _join(self) -> str | None:
         """A node started after the run began: gets ready, waits to be admitted, receives its layers."""
@@ -284,7 +254,7 @@ class _Run:
         inst = self._instantiation(g)
         if record.get("restored_from") is not None:
             self.last_transfers = []
-            self.saved_step = record["start_step"]
+            self.checkpoints.saved_step = record["start_step"]
             return self._enter(g, record["start_step"], inst, (), restore_from=self.cfg.checkpoint.dir)
         if self.trainer.layers.layers and record["start_step"] != self.trainer.completed_steps:
             raise Fenced(f"[node {self.me.node}] fenced: generation {g} starts at step {record['start_step']} "
@@ -389,37 +359,8 @@ class _Run:
             self.grow(joiners)
 
     def _checkpoint(self, final: bool = False) -> None:
-        """Every checkpoint.interval steps, and after the last step or a stop (`final`), each
-        layer's owner copies its layers' state and writes them (in the background unless
-        `final` or checkpoint.background is false); whoever completes the set publishes the
-        checkpoint (runtime/checkpoint.py Note: [checkpoint manifest]). A state restored from a
-        checkpoint is not written again."""
-        ck, done = self.cfg.checkpoint, self.trainer.completed_steps
-        if not final and (done == self.cfg.train.steps or not ck.interval or done % ck.interval):
-            return
-        failed = self.writer.wait(CHECKPOINT_WRITE_TIMEOUT_S)  # one write at a time
-        if failed is not None and final:
-            logger.warning("[node %d] an earlier checkpoint was not written (%s); the final one is", self.me.node,
-                           failed)
-        if done == self.saved_step:
-            return
-        plan = self.plan
-        rank = plan.rank_of(self.me)
-        states = {i: host_copy(self.trainer.layers[i]) for i, r in plan.layer_owner.items() if r == rank}
-        counter = f"gen{plan.generation}/checkpoint{done}"
-
-        def write() -> None:
-            written = save_layers(ck.dir, done, states, self.env.run_id)
-            if self.fault:
-                self.fault("checkpoint", step=done)
-            if self.store.add(counter, written) == self.model.num_layers:
-                mark_complete(ck.dir, done, self.checkpoint_id, self.model.export, keep=ck.keep)
-            self.saved_step = done
-
-        if ck.background and not final:
-            self.writer.submit(write, CHECKPOINT_WRITE_TIMEOUT_S)
-        else:
-            write()
+        self.checkpoints.save(self.plan, self.plan.rank_of(self.me), self.trainer.layers, self.trainer.completed_steps,
+                              final)
 
     def grow(self, joiners: list[int]) -> None:
         """Admits ready joiners at this step boundary: every member does the same, in step."""
@@ -541,7 +482,7 @@ class _Run:
     def _restore_checkpoint(self, old: GenerationPlan, alive: list[int], dead: list[int], cause: str,
                             phases: dict[str, float], t0: float) -> str | None:
         """More failures than replicas: every survivor restarts from the latest checkpoint."""
-        step = latest_checkpoint(self.cfg.checkpoint.dir, self.checkpoint_id)
+        step = self.checkpoints.fallback_step()
         if step is None:
             raise OobleckError(f"{cause}. There is no complete checkpoint of this run in {self.cfg.checkpoint.dir!r} "
                                "(checkpoint.interval) to fall back to: the run cannot continue")
@@ -591,7 +532,7 @@ class _Run:
             self.report.final(self.trainer.completed_steps, sums, norms)
 
     def close(self) -> None:
-        self.writer.wait(CHECKPOINT_WRITE_TIMEOUT_S)  # a checkpoint under way is finished, not cut
+        self.checkpoints.close()
         self.trainer.shutdown()
         if self.report:
             self.report.close()

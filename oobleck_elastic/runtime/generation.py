@@ -150,25 +150,21 @@ class Generation:
     def forward_backward(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[float, int]:
         """Runs the schedule on this pipeline's slice; returns (summed loss, samples) counted
         on last stages (0 elsewhere)."""
-        if self.role is None:
-            return 0.0, 0
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if self.role.is_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.role.is_last else {}
-        self.schedule.step(*args, **kwargs)
-        if not self.role.is_last:
-            return 0.0, 0
-        return float(sum(loss.detach().double() for loss in losses)), int(targets.shape[0])
+        return self._run_schedule("step", inputs, targets)
 
     def forward_only(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[float, int]:
-        """Runs the schedule forward only (evaluation); returns what forward_backward does."""
-        if self.role is None:
+        """Runs the schedule forward only, without gradients (evaluation); returns what
+        forward_backward does."""
+        with torch.no_grad():
+            return self._run_schedule("eval", inputs, targets)
+
+    def _run_schedule(self, method: str, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[float, int]:
+        if self.role is None:  # a spare: no stage, no schedule
             return 0.0, 0
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.role.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.role.is_last else {}
-        with torch.no_grad():
-            self.schedule.eval(*args, **kwargs)
+        getattr(self.schedule, method)(*args, **kwargs)
         if not self.role.is_last:
             return 0.0, 0
         return float(sum(loss.detach().double() for loss in losses)), int(targets.shape[0])
