@@ -101,16 +101,16 @@ def test_a_damaged_file_is_never_loaded(tmp_path):
     me = ident("a")
     write(tmp_path, 1, store(0), me)
     write(tmp_path, 2, store(0), me)
-    path = tmp_path / "step_00000002" / "layer_0001.pt"
+    path = tmp_path / "step_00000002" / "layer_0001" / "__0_0.distcp"
     data = bytearray(path.read_bytes())
     data[-20] ^= 0xFF
     path.write_bytes(bytes(data))
     assert latest_checkpoint(str(tmp_path), me) == 1, "the damaged step is skipped, the older one used"
-    with pytest.raises(OobleckError, match="does not match its checksum"):
+    with pytest.raises(OobleckError, match="do not match their checksum"):
         restore_layers(str(tmp_path), 2, LayerStore(SPEC, load_config(None, []).train, torch.device("cpu")), [1])
-    with pytest.raises(OobleckError, match="does not match its checksum"):
+    with pytest.raises(OobleckError, match="do not match their checksum"):
         load_model_state(str(tmp_path), 2, SPEC.num_layers)
-    os.remove(tmp_path / "step_00000001" / "layer_0000.pt")
+    os.remove(tmp_path / "step_00000001" / "layer_0000" / ".metadata")
     assert latest_checkpoint(str(tmp_path), me) is None
 
 
@@ -178,7 +178,7 @@ def test_a_checkpoint_that_cannot_be_resumed_is_one_clear_error_and_stays_untouc
     elif case == "manifest":
         (tmp_path / "step_00000004/manifest.json").write_text('{"format": 3, "step": 4, "run_')
     else:
-        (tmp_path / "step_00000004/layer_0002.pt").write_bytes(b"not a layer")
+        (tmp_path / "step_00000004/layer_0002/__0_0.distcp").write_bytes(b"not a layer")
     before = snapshot(tmp_path)
     with pytest.raises(OobleckError, match=expected) as caught:
         find_resume(str(tmp_path), me, load_step=None, max_step=10)
@@ -205,13 +205,42 @@ def test_a_host_copy_is_what_the_layer_was_when_copied(tmp_path):
     state.optimizer.step()
     copy = host_copy(state)
     expected = {k: v.clone() for k, v in state.module.state_dict().items()}
-    moment = next(iter(state.optimizer.state.values()))["exp_avg"].clone()
+    name, first = state.named_params[0]
+    moment = state.optimizer.state[first]["exp_avg"].clone()
     for p in state.params:
         p.grad = torch.ones_like(p)
     state.optimizer.step()  # the next step changes parameters and optimizer state in place
-    assert all(torch.equal(copy["module"][k], v) for k, v in expected.items())
-    assert torch.equal(next(iter(copy["optimizer"]["state"].values()))["exp_avg"], moment)
-    assert not torch.equal(next(iter(state.optimizer.state.values()))["exp_avg"], moment)
+    assert all(torch.equal(copy["model"][k], v) for k, v in expected.items())
+    assert torch.equal(copy["optim"][name]["exp_avg"], moment), "optimizer state under the parameter's own name"
+    assert not torch.equal(state.optimizer.state[first]["exp_avg"], moment)
+
+
+def test_a_checkpoint_is_one_dcp_checkpoint_under_the_models_own_names(tmp_path):
+    """torch.distributed.checkpoint's own tools read a whole step (every layer's files, one
+    merged .metadata) under the model's parameter names, optimizer state included; and a layer
+    restores parameters and optimizer state exactly."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    layers = store(0)
+    for i in range(SPEC.num_layers):
+        for p in layers[i].params:
+            p.grad = torch.full_like(p, 0.5)
+        layers[i].optimizer.step()
+    write(tmp_path, 1, layers, ident("a"))
+    dcp_to_torch_save(str(tmp_path / "step_00000001"), str(tmp_path / "all.pt"))
+    everything = torch.load(tmp_path / "all.pt", weights_only=False)
+    names = {n for i in range(SPEC.num_layers) for n in layers[i].module.state_dict()}
+    assert set(everything["model"]) == names
+    name, param = layers[1].named_params[0]
+    assert torch.equal(everything["optim"][name]["exp_avg_sq"], layers[1].optimizer.state[param]["exp_avg_sq"])
+    restored = LayerStore(SPEC, load_config(None, []).train, torch.device("cpu"))
+    restore_layers(str(tmp_path), 1, restored, [1])
+    assert all(torch.equal(a, b) for a, b in zip(restored[1].module.state_dict().values(),
+                                                 layers[1].module.state_dict().values()))
+    assert restored[1].optimizer.state_dict()["state"].keys() == layers[1].optimizer.state_dict()["state"].keys()
+    for ours, theirs in zip(restored[1].optimizer.state_dict()["state"].values(),
+                            layers[1].optimizer.state_dict()["state"].values()):
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
 def test_the_background_writer_runs_one_write_at_a_time_and_keeps_its_error():

@@ -172,7 +172,7 @@ def test_more_than_f_failures_fall_back_to_the_checkpoint(tmp_path, failure_free
     steps = [r["step"] for r in log if "step" in r and "event" not in r]
     assert steps == [0, 1, 2, 2, 3, 4, 5], "steps after the checkpoint run again"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_00000002", "step_00000004", "step_00000006"]
-    assert len(list((tmp_path / "ckpt/step_00000002").glob("layer_*.pt"))) == 8
+    assert len(list((tmp_path / "ckpt/step_00000002").glob("layer_*/.metadata"))) == 8
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 

@@ -1,13 +1,18 @@
 """Checkpoints: what a stopped job resumes from, the fallback when more nodes fail than the
 replicas cover, and the final state.
 
-Layout: `<checkpoint.dir>/step_<k>/layer_<i>.pt` holds layer i after k optimizer steps (its
-module state under the model's own parameter names, and its optimizer's state), written once,
-by the layer's owner, with its SHA-256 beside it (`layer_<i>.sha256`). Files are per layer, so
-any layout, with any number of nodes, can restore from any checkpoint, each worker reading only
-the layers it runs. The step only copies its layers' state to host memory (`host_copy`); a
-`BackgroundWriter` thread writes and publishes it while training goes on, one checkpoint at a
-time.
+Note: [checkpoint format]
+    `<checkpoint.dir>/step_<k>/` is one torch.distributed.checkpoint (DCP) checkpoint of the
+    whole model after k optimizer steps, under the model's own names: `model.<param>` (each
+    layer module's state_dict), `optim.<param>.<state>` (exp_avg, step, ...) and
+    `optim_groups` (hyperparameters). Each layer is written once, by its owner, as a DCP
+    checkpoint of its own in `layer_<i>/` (`dcp.save(..., no_dist=True)`: no collective, so a
+    write never waits for another worker), with its SHA-256 beside it; the step's `.metadata`
+    merges the layers', so `dcp_to_torch_save(step_dir, out)` and `dcp.load` read the step as
+    one checkpoint, while a worker restores only its own layers' directories, on any layout
+    with any number of nodes. The step only copies its layers' state to host memory
+    (`host_copy`); a `BackgroundWriter` thread writes and publishes it while training goes on,
+    one checkpoint at a time.
 
 Note: [checkpoint manifest]
     A checkpoint is written into a hidden directory of its own (`.partial-step_<k>-<run>`) and
@@ -29,15 +34,22 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import Metadata
 
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.layers import LayerState, LayerStore
@@ -48,6 +60,8 @@ __all__ = ["CheckpointId", "checkpoint_id", "job_key", "job_digest", "plain", "s
            "restore_layers", "host_copy", "BackgroundWriter"]
 
 logger = logging.getLogger(__name__)
+# Each layer's owner saves and loads alone (no_dist): DCP says it assumes so, at every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 3
@@ -123,8 +137,19 @@ def _atomic_write(data: bytes, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _layer_file(directory: str, index: int) -> str:
-    return os.path.join(directory, f"layer_{index:04d}.pt")
+def _layer_dir(directory: str, index: int) -> str:
+    return os.path.join(directory, f"layer_{index:04d}")
+
+
+def _layer_digest(path: str) -> str:
+    """SHA-256 over a layer directory's files (names and contents, in name order)."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        digest.update(name.encode() + b"\0")
+        with open(os.path.join(path, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _copied(value: Any) -> Any:
@@ -137,27 +162,58 @@ def _copied(value: Any) -> Any:
     return value
 
 
+def _named_state(state: LayerState) -> dict[str, Any]:
+    """A layer's checkpoint state under the model's own names (live tensors): `model` is the
+    module's state_dict, `optim` the optimizer's per-parameter state keyed by parameter name,
+    `optim_groups` its hyperparameters. Note: [checkpoint format]."""
+    out: dict[str, Any] = {"model": state.module.state_dict()}
+    if state.optimizer:
+        sd = state.optimizer.state_dict()
+        name_of = {id(p): n for n, p in state.named_params}
+        order = [name_of[id(p)] for group in state.optimizer.param_groups for p in group["params"]]
+        out["optim"] = {order[index]: values for index, values in sd["state"].items()}
+        out["optim_groups"] = sd["param_groups"]
+    return out
+
+
 def host_copy(state: LayerState) -> dict[str, Any]:
-    """What a checkpoint holds of one layer, copied to host memory (the live tensors go on
-    training while the copy is written): its module state and its optimizer's state."""
-    return {"module": _copied(state.module.state_dict()),
-            "optimizer": _copied(state.optimizer.state_dict()) if state.optimizer else None}
+    """What a checkpoint holds of one layer (`_named_state`), copied to host memory: the live
+    tensors go on training while the copy is written."""
+    return _copied(_named_state(state))
 
 
 def save_layers(root: str, step: int, states: Mapping[int, Mapping[str, Any]], run_id: str) -> int:
     """Writes layer states (`host_copy`) after `step` optimizer steps into the run's partial
-    checkpoint of that step; returns how many (Note: [checkpoint manifest])."""
+    checkpoint of that step, each as a torch.distributed.checkpoint directory with its digest
+    beside it; returns how many (Note: [checkpoint manifest])."""
     directory = _partial_dir(root, step, run_id)
     os.makedirs(directory, exist_ok=True)
     count = 0
     for i, state in states.items():
-        buffer = io.BytesIO()
-        torch.save(dict(state), buffer)
-        data = buffer.getvalue()
-        _atomic_write(data, _layer_file(directory, i))
-        _atomic_write(hashlib.sha256(data).hexdigest().encode(), _layer_file(directory, i)[:-3] + ".sha256")
+        path = _layer_dir(directory, i)
+        if os.path.exists(path + ".sha256"):  # an earlier attempt's, in this run
+            os.remove(path + ".sha256")
+        shutil.rmtree(path, ignore_errors=True)
+        dcp.save(dict(state), storage_writer=FileSystemWriter(path), no_dist=True)
+        _atomic_write(_layer_digest(path).encode(), path + ".sha256")
         count += 1
     return count
+
+
+def _merge_metadata(directory: str, num_layers: int) -> None:
+    """One `.metadata` for the whole step, pointing into the layers' files, so DCP tools
+    (`dcp_to_torch_save`, `dcp.load`) read the step as one checkpoint (Note: [checkpoint format])."""
+    tensors, storage, planner = {}, {}, {}
+    for i in range(num_layers):
+        meta = FileSystemReader(_layer_dir(directory, i)).read_metadata()
+        tensors.update(meta.state_dict_metadata)
+        planner.update(meta.planner_data or {})
+        for index, info in meta.storage_data.items():
+            storage[index] = dataclasses.replace(info, relative_path=f"layer_{i:04d}/{info.relative_path}")
+    merged = Metadata(state_dict_metadata=tensors, planner_data=planner, storage_data=storage)
+    buffer = io.BytesIO()
+    pickle.dump(merged, buffer)  # DCP's own metadata format
+    _atomic_write(buffer.getvalue(), os.path.join(directory, ".metadata"))
 
 
 def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str, Any] | None = None,
@@ -169,7 +225,7 @@ def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str,
     sums = []
     for i in range(ident.num_layers):
         try:
-            with open(_layer_file(partial, i)[:-3] + ".sha256") as f:
+            with open(_layer_dir(partial, i) + ".sha256") as f:
                 sums.append(f.read().strip())
         except FileNotFoundError:
             raise OobleckError(f"checkpoint {partial}: layer {i}, written by another node, is not there; "
@@ -179,6 +235,7 @@ def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str,
                 "job": dict(ident.job), "params": dict(ident.params), "layers": ident.num_layers,
                 "sha256": sums, "model": dict(model or {}), "time": time.time(),
                 "resumed_from": list(ident.resumed) if ident.resumed else None}
+    _merge_metadata(partial, ident.num_layers)
     _atomic_write(json.dumps(manifest).encode(), os.path.join(partial, MANIFEST))
     final = _step_dir(root, step)
     if os.path.exists(final):  # another run's step k (or a rewrite): replaced as a whole
@@ -244,9 +301,8 @@ def checkpoints(root: str) -> list[tuple[int, dict[str, Any]]]:
 def _intact(root: str, step: int, manifest: Mapping[str, Any]) -> bool:
     for i, expected in enumerate(manifest["sha256"]):
         try:
-            with open(_layer_file(_step_dir(root, step), i), "rb") as f:
-                if hashlib.sha256(f.read()).hexdigest() != expected:
-                    return False
+            if _layer_digest(_layer_dir(_step_dir(root, step), i)) != expected:
+                return False
         except OSError:
             return False
     return True
@@ -322,13 +378,16 @@ def find_resume(root: str, ident: CheckpointId, *, load_step: int | None, max_st
     return step, meta
 
 
-def _load_layer(root: str, step: int, index: int, expected: str | None = None) -> dict[str, Any]:
-    with open(_layer_file(_step_dir(root, step), index), "rb") as f:
-        data = f.read()
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
-        raise OobleckError(f"checkpoint {_step_dir(root, step)}: layer {index}'s file does not match its "
-                           "checksum (changed or damaged since it was written); it cannot be restored")
-    return torch.load(io.BytesIO(data), weights_only=True)
+def _checked_layer(root: str, step: int, index: int, expected: str) -> str:
+    path = _layer_dir(_step_dir(root, step), index)
+    try:
+        intact = _layer_digest(path) == expected
+    except OSError:
+        intact = False
+    if not intact:
+        raise OobleckError(f"checkpoint {_step_dir(root, step)}: layer {index}'s files do not match their "
+                           "checksum (changed, damaged or missing since they were written); it cannot be restored")
+    return path
 
 
 def load_model_state(root: str, step: int, num_layers: int) -> dict[str, torch.Tensor]:
@@ -336,25 +395,37 @@ def load_model_state(root: str, step: int, num_layers: int) -> dict[str, torch.T
     model's own names; the copies of a tied parameter must agree)."""
     state: dict[str, torch.Tensor] = {}
     sums = read_manifest(root, step)["sha256"]
-    for i in range(num_layers):
-        data = _load_layer(root, step, i, sums[i])
-        for name, value in data["module"].items():
-            if name in state and not torch.equal(state[name], value):
-                raise ValueError(f"checkpoint of step {step}: two layers hold different values for {name!r}")
-            state[name] = value
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(num_layers):
+            out = os.path.join(tmp, f"{i}.pt")
+            dcp_to_torch_save(_checked_layer(root, step, i, sums[i]), out)
+            for name, value in torch.load(out, weights_only=True)["model"].items():
+                if name in state and not torch.equal(state[name], value):
+                    raise ValueError(f"checkpoint of step {step}: two layers hold different values for {name!r}")
+                state[name] = value
     return state
 
 
 def restore_layers(root: str, step: int, layers: LayerStore, indices: Iterable[int]) -> None:
-    """Builds the given layers from the checkpoint of `step` (parameters and optimizer state),
-    each file checked against the manifest's checksum."""
+    """Builds the given layers from the checkpoint of `step` (parameters, buffers and optimizer
+    state, loaded in place by DCP), each layer checked against the manifest's checksum."""
     sums = read_manifest(root, step)["sha256"]
     for i in indices:
-        data = _load_layer(root, step, i, sums[i])
+        path = _checked_layer(root, step, i, sums[i])
+        reader = FileSystemReader(path)
+        stepped = any(key.startswith("optim.") for key in reader.read_metadata().state_dict_metadata)
         state = layers.materialize(i)
-        state.module.load_state_dict(data["module"])
-        if state.optimizer and data["optimizer"] is not None:
-            state.optimizer.load_state_dict(data["optimizer"])
+        if stepped:
+            state.prime_optimizer()  # the optimizer's state tensors exist, to be loaded into
+        target = _named_state(state)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        state.module.load_state_dict(target["model"])
+        if state.optimizer:
+            name_of = {id(p): n for n, p in state.named_params}
+            index = {name_of[id(p)]: k for k, p in enumerate(p for g in state.optimizer.param_groups
+                                                              for p in g["params"])}
+            state.optimizer.load_state_dict({"state": {index[n]: v for n, v in target.get("optim", {}).items()},
+                                             "param_groups": target["optim_groups"]})
 
 
 class BackgroundWriter:
