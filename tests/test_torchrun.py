@@ -6,6 +6,7 @@ failure-free run (no launcher of ours marks the node dead: its lease does)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from etcd_server import etcd_server
 from jobs import ROOT, SCRIPT, STEPS, assert_matches, job_args, node_worker, records
 from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
+from oobleck_elastic.runtime.checkpoint import read_manifest
 
 pytestmark = pytest.mark.slow
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the `torchrun` script runs
@@ -149,3 +151,29 @@ def test_a_worker_torch_restarts_comes_back_as_a_new_node(tmp_path):
     assert [(r["lost"], r["joined"]) for r in recovery] == [([2], []), ([], [3])], recovery
     assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(steps))
     assert_matches(log[-1], records(tmp_path / "ref/metrics.jsonl")[-1])
+
+
+def test_sigterm_to_a_stock_torchrun_stops_the_job_after_its_step_with_a_checkpoint(tmp_path):
+    """What a scheduler does before preemption, under stock torchrun: torch's agent forwards the
+    SIGTERM to its workers, which ask the run to stop; every node finishes the step and the
+    final checkpoint is written (Note: [stop on request])."""
+    def stop_node_1(procs) -> None:
+        metrics = tmp_path / "job/metrics.jsonl"
+        deadline = time.monotonic() + 200
+        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, 2)
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)
+
+    with etcd_server() as port:
+        procs = run_torchrun(tmp_path, 2, f"127.0.0.1:{port}", ["--rdzv-conf=store=etcd"],
+                             extra=("--set", "train.steps=200"), during=stop_node_1)
+    log = records(tmp_path / "job/metrics.jsonl")
+    (stopped,) = [r for r in log if r.get("event") == "stopped"]
+    at = stopped["steps"]
+    assert 2 <= at < 200, at
+    assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(at))
+    assert procs[0].returncode == 0, logs(tmp_path, 2)
+    assert procs[1].returncode != 0  # torch's agent ends by re-raising the signal it was sent
+    assert read_manifest(str(tmp_path / "job/checkpoints"), at)["step"] == at
+    assert not [r for r in log if r.get("event") == "recovery"], "the stopped node was not taken for dead"

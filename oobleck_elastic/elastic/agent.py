@@ -6,9 +6,11 @@ Note: [stop on request]
     of an allocation). torch's agent would kill its workers at once; this one asks the run to
     stop instead (`membership.request_stop`): the next step's commit carries the request to
     every worker, they finish that step, write the final checkpoint and exit 0, and a relaunch
-    of the same job resumes from exactly there. A second SIGTERM is torch's: the workers are
-    killed. Under stock torchrun the agent is torch's, so a SIGTERM kills that node's workers
-    and the others recover without it (README: stopping and resuming).
+    of the same job resumes from exactly there. A second SIGTERM kills the workers. Under stock
+    torchrun the agent is torch's: it forwards the SIGTERM to its workers and gives them 30 s
+    before SIGKILL; a worker that gets it while all its node's workers live asks for the stop
+    itself (elastic/worker.py `_stop_or_die`), one whose sibling died (torch stopping the node
+    after a failure) dies as before.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ class OobleckAgent(LocalElasticAgent):
         return assigned
 
     def _on_sigterm(self, handler: OobleckRendezvousHandler) -> None:
-        if self._stop_requested:
-            raise SignalException("a second SIGTERM: killing the workers", sigval=signal.SIGTERM)
+        if self._stop_requested:  # torch's shutdown sends the workers this signal: SIGKILL, not SIGTERM
+            raise SignalException("a second SIGTERM: killing the workers", sigval=signal.SIGKILL)
         self._stop_requested = True
         logger.warning("[node %s] SIGTERM: the run stops after its current step and writes a checkpoint "
                        "(a second SIGTERM kills the workers)", handler.node)

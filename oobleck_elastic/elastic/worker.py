@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -538,6 +539,21 @@ class _Run:
             self.report.close()
 
 
+def _stop_or_die(run: _Run, env: WorkerEnv) -> None:
+    """A SIGTERM from torch's agent (stock torchrun): the agent was told to stop (a scheduler's
+    SIGTERM), so the run stops after its step (Note: [stop on request]); but when torch stops
+    the node's workers because one of them died, this worker dies as it always did."""
+    try:
+        alive = sum(1 for c in psutil.Process(os.getppid()).children() if c.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        alive = 0
+    if alive >= env.local_world_size:
+        run.stop_requested = True
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv | None = None,
                eval_dataset: Dataset | None = None) -> None:
     """Trains `model` on `dataset` as one worker of the run described by the environment; with
@@ -566,6 +582,8 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
     run = _Run(model, dataset, cfg, env, store, fault, eval_dataset if cfg.eval.interval else None)
     if local_server is not None:  # alone, SIGTERM stops after the step too (Note: [stop on request])
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "stop_requested", True))
+    else:
+        signal.signal(signal.SIGTERM, lambda signum, frame: _stop_or_die(run, env))
     fenced = False
     try:
         run.run()
