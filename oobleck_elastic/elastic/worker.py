@@ -543,10 +543,17 @@ def _stop_or_die(run: _Run, env: WorkerEnv) -> None:
     """A SIGTERM from torch's agent (stock torchrun): the agent was told to stop (a scheduler's
     SIGTERM), so the run stops after its step (Note: [stop on request]); but when torch stops
     the node's workers because one of them died, this worker dies as it always did."""
+    alive = 0
     try:
-        alive = sum(1 for c in psutil.Process(os.getppid()).children() if c.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        alive = 0
+        children = psutil.Process(os.getppid()).children()
+    except psutil.Error:  # the agent is gone: nothing to stop for
+        children = []
+    for child in children:
+        try:  # this node's workers only (the agent may have other children)
+            if child.status() != psutil.STATUS_ZOMBIE and child.environ().get("OOBLECK_NODE_ID") == str(env.node):
+                alive += 1
+        except psutil.Error:
+            continue
     if alive >= env.local_world_size:
         run.stop_requested = True
         return
