@@ -355,7 +355,9 @@ class _Run:
             self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
         self._checkpoint(final=stop)
-        self.stopped = stop  # only once its checkpoint is written: a failure before then is recovered
+        # only once its checkpoint is written (a failure before then is recovered); a stop at the
+        # last step is the run's normal end
+        self.stopped = stop and self.trainer.completed_steps < self.cfg.train.steps
         if joiners:
             self.grow(joiners)
 
