@@ -9,7 +9,7 @@ Note: [stop on request]
     of the same job resumes from exactly there. A second SIGTERM kills the workers. Under stock
     torchrun the agent is torch's: it forwards the SIGTERM to its workers and gives them 30 s
     before SIGKILL; a worker that gets it while all its node's workers live asks for the stop
-    itself (elastic/worker.py `_stop_or_die`), one whose sibling died (torch stopping the node
+    itself (elastic/process.py `stop_or_die`), one whose sibling died (torch stopping the node
     after a failure) dies as before.
 """
 

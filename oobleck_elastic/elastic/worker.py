@@ -12,11 +12,9 @@ import gc
 import logging
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -24,6 +22,7 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import ConfigError, LayersLostError, OobleckError, PlanningError
 from oobleck_elastic.elastic.checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.faults import FaultInjector
+from oobleck_elastic.elastic.process import check_lease, stop_or_die, watch_parent
 from oobleck_elastic.elastic.membership import (
     Fenced,
     LeaseWatcher,
@@ -93,33 +92,6 @@ def _flatten(prefix: str, value: object) -> dict[str, object]:
     if isinstance(value, dict):
         return {k: v for key, sub in value.items() for k, v in _flatten(f"{prefix}.{key}", sub).items()}
     return {prefix: value}
-
-
-def _watch_parent() -> None:
-    """Workers exit when their agent dies (a SIGKILLed agent would otherwise leave orphans)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
-            time.sleep(0.2)
-
-    threading.Thread(target=watch, name="oobleck-parent-watch", daemon=True).start()
-
-
-def _check_lease(store: MembershipStore, node: int, cfg: JobConfig) -> None:
-    """The agent beats the node's lease at its own interval (torchrun does not read the job
-    config): it must renew twice per lease timeout and three times per roll-call window, or
-    healthy nodes look dead."""
-    beat = (store.try_get_json(f"nodes/{node}") or {}).get("heartbeat_s")
-    ela = cfg.elastic
-    if beat is not None and (2 * beat > ela.lease_timeout_s or 3 * beat > ela.rollcall_window_s):
-        raise OobleckError(
-            f"node {node}'s agent renews its lease every {beat} s, too slow for "
-            f"elastic.lease_timeout_s={ela.lease_timeout_s} (2 beats) and elastic.rollcall_window_s="
-            f"{ela.rollcall_window_s} (3 beats); pass torchrun --rdzv-conf "
-            f"heartbeat_interval={ela.heartbeat_interval_s} (elastic.heartbeat_interval_s)")
 
 
 def _profile(store: MembershipStore, env: WorkerEnv, first_node: int, model: ModelSpec, cfg: JobConfig) -> ModelProfile:
@@ -541,28 +513,6 @@ class _Run:
             self.report.close()
 
 
-def _stop_or_die(run: _Run, env: WorkerEnv) -> None:
-    """A SIGTERM from torch's agent (stock torchrun): the agent was told to stop (a scheduler's
-    SIGTERM), so the run stops after its step (Note: [stop on request]); but when torch stops
-    the node's workers because one of them died, this worker dies as it always did."""
-    alive = 0
-    try:
-        children = psutil.Process(os.getppid()).children()
-    except psutil.Error:  # the agent is gone: nothing to stop for
-        children = []
-    for child in children:
-        try:  # this node's workers only (the agent may have other children)
-            if child.status() != psutil.STATUS_ZOMBIE and child.environ().get("OOBLECK_NODE_ID") == str(env.node):
-                alive += 1
-        except psutil.Error:
-            continue
-    if alive >= env.local_world_size:
-        run.stop_requested = True
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEnv | None = None,
                eval_dataset: Dataset | None = None) -> None:
     """Trains `model` on `dataset` as one worker of the run described by the environment; with
@@ -582,17 +532,18 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, env: WorkerEn
             logger.warning("running alone: fault_tolerance=%d needs more nodes, using 0", cfg.fault_tolerance)
             cfg = dataclasses.replace(cfg, fault_tolerance=0)
     else:
-        _watch_parent()
+        watch_parent()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     store = connect_store(env.store_url, env.run_id, timeout=cfg.elastic.join_timeout_s)
     if local_server is None:
-        _check_lease(store, env.node, cfg)
+        check_lease(store, env.node, cfg)
         fault = FaultInjector.from_environ(env.node, store)
     run = _Run(model, dataset, cfg, env, store, fault, eval_dataset if cfg.eval.interval else None)
     if local_server is not None:  # alone, SIGTERM stops after the step too (Note: [stop on request])
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(run, "stop_requested", True))
     else:
-        signal.signal(signal.SIGTERM, lambda signum, frame: _stop_or_die(run, env))
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop_or_die(
+            env.node, env.local_world_size, lambda: setattr(run, "stop_requested", True)))
     fenced = False
     try:
         run.run()

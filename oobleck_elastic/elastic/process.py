@@ -1,0 +1,69 @@
+"""How a worker process stands to its agent: it exits when the agent dies, its agent's lease is
+fast enough for the job's timeouts, and a SIGTERM from the agent is a stop request (Note: [stop
+on request] in elastic/agent.py) unless it is torch stopping the node after a failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+from oobleck_elastic.config import JobConfig
+from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.errors import OobleckError
+
+__all__ = ["check_lease", "stop_or_die", "watch_parent"]
+
+
+def watch_parent() -> None:
+    """Workers exit when their agent dies (a SIGKILLed agent would otherwise leave orphans)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="oobleck-parent-watch", daemon=True).start()
+
+
+def check_lease(store: MembershipStore, node: int, cfg: JobConfig) -> None:
+    """The agent beats the node's lease at its own interval (torchrun does not read the job
+    config): it must renew twice per lease timeout and three times per roll-call window, or
+    healthy nodes look dead."""
+    beat = (store.try_get_json(f"nodes/{node}") or {}).get("heartbeat_s")
+    ela = cfg.elastic
+    if beat is not None and (2 * beat > ela.lease_timeout_s or 3 * beat > ela.rollcall_window_s):
+        raise OobleckError(
+            f"node {node}'s agent renews its lease every {beat} s, too slow for "
+            f"elastic.lease_timeout_s={ela.lease_timeout_s} (2 beats) and elastic.rollcall_window_s="
+            f"{ela.rollcall_window_s} (3 beats); pass torchrun --rdzv-conf "
+            f"heartbeat_interval={ela.heartbeat_interval_s} (elastic.heartbeat_interval_s)")
+
+
+
+def stop_or_die(node: int, local_world_size: int, stop: Callable[[], None]) -> None:
+    """A SIGTERM from torch's agent (stock torchrun): the agent was told to stop (a scheduler's
+    SIGTERM), so the run stops after its step (Note: [stop on request]); but when torch stops
+    the node's workers because one of them died, this worker dies as it always did."""
+    alive = 0
+    try:
+        children = psutil.Process(os.getppid()).children()
+    except psutil.Error:  # the agent is gone: nothing to stop for
+        children = []
+    for child in children:
+        try:  # this node's workers only (the agent may have other children)
+            if child.status() != psutil.STATUS_ZOMBIE and child.environ().get("OOBLECK_NODE_ID") == str(node):
+                alive += 1
+        except psutil.Error:
+            continue
+    if alive >= local_world_size:
+        stop()
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
