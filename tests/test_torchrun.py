@@ -94,6 +94,15 @@ def logs(tmp_path, nodes: int) -> str:
     return "\n".join((tmp_path / f"torchrun{n}.log").read_text()[-3000:] for n in range(nodes))
 
 
+def wait_for_step_one(tmp_path, procs: list[subprocess.Popen]) -> None:
+    """Polls the job's metrics log until step 1 is logged, while every torchrun lives."""
+    metrics = tmp_path / "job/metrics.jsonl"
+    deadline = time.monotonic() + 200
+    while not (metrics.exists() and '"step": 1' in metrics.read_text()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, len(procs))
+        time.sleep(0.1)
+
+
 def test_stock_torchrun_on_the_embedded_store_trains_like_one_process(tmp_path, failure_free):
     # the package's own entry point, the model named by model.factory
     procs = run_torchrun(tmp_path, 2, f"127.0.0.1:{free_port()}", [], entry=("-m", "oobleck_elastic.train"),
@@ -135,11 +144,7 @@ def test_a_worker_torch_restarts_comes_back_as_a_new_node(tmp_path):
     assert alone.returncode == 0, alone.stderr
 
     def kill_a_worker_of_node_2(procs) -> None:
-        metrics = tmp_path / "job/metrics.jsonl"
-        deadline = time.monotonic() + 200
-        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, 3)
-            time.sleep(0.1)
+        wait_for_step_one(tmp_path, procs)
         node_worker("torchruntest", 2).kill()
 
     procs = run_torchrun(tmp_path, 3, f"127.0.0.1:{free_port()}", ["--max-restarts=1"],
@@ -158,11 +163,7 @@ def test_sigterm_to_a_stock_torchrun_stops_the_job_after_its_step_with_a_checkpo
     SIGTERM to its workers, which ask the run to stop; every node finishes the step and the
     final checkpoint is written (Note: [stop on request])."""
     def stop_node_1(procs) -> None:
-        metrics = tmp_path / "job/metrics.jsonl"
-        deadline = time.monotonic() + 200
-        while not (metrics.exists() and '"step": 1' in metrics.read_text()):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, 2)
-            time.sleep(0.1)
+        wait_for_step_one(tmp_path, procs)
         procs[1].send_signal(signal.SIGTERM)
 
     with etcd_server() as port:
