@@ -88,10 +88,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def forbid_pickled_exchanges() -> None:
+    """Makes any object exchange between peers fail in this process: nothing a worker receives
+    may be unpickled (runtime.generation Note: [static stage shapes])."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker exchanged pickled objects with a peer")
+    torch.distributed.send_object_list = torch.distributed.recv_object_list = refuse
+    torch.distributed.broadcast_object_list = refuse
+
+
 def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str, model_key: str) -> None:
     try:
         from oobleck_elastic.runtime.trainer import Trainer
 
+        forbid_pickled_exchanges()
         torch.set_num_threads(1)
         cfg = job_config(overrides)
         store = torch.distributed.TCPStore("127.0.0.1", port, nodes, is_master=False,

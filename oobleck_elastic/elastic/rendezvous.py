@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, mark_dead
-from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreUnreachable
+from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreAddressInUse, StoreUnreachable
 from oobleck_elastic.errors import ConfigError
 
 __all__ = ["OobleckRendezvousHandler", "create_handler", "handler_entry_point", "open_store", "store_kind"]
@@ -192,7 +192,7 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
     if is_host if is_host is not None else _matches_machine_hostname(host):
         try:
             return EmbeddedStore(host, port, params.run_id, is_master=True, timeout=timeout)
-        except Exception:  # another agent of this machine hosts it
+        except StoreAddressInUse:  # another agent of this machine hosts it: be its client
             pass
     return EmbeddedStore(host, port, params.run_id, timeout=timeout)
 

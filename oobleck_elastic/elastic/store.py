@@ -19,7 +19,10 @@ Keys:
 from __future__ import annotations
 
 import abc
+import errno
 import json
+import os
+import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -28,7 +31,7 @@ import torch.distributed as dist
 
 from oobleck_elastic.errors import OobleckError
 
-__all__ = ["MembershipStore", "EmbeddedStore", "host_store", "connect_store", "StoreTimeout",
+__all__ = ["MembershipStore", "EmbeddedStore", "host_store", "connect_store", "StoreAddressInUse", "StoreTimeout",
            "StoreUnreachable"]
 
 
@@ -38,6 +41,32 @@ class StoreTimeout(OobleckError):
 
 class StoreUnreachable(OobleckError):
     """The store's server does not answer."""
+
+
+class StoreAddressInUse(OobleckError):
+    """Another process already listens on the address the store was to be hosted at."""
+
+
+def _listen(host: str, port: int) -> int:
+    """A socket listening on `host`:`port` exactly (port 0: any free one), as a file descriptor
+    for TCPStore to take over. Left to itself, a TCPStore server listens on every interface,
+    whatever host it is given (README: trust model)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise OobleckError(f"cannot host the membership store at {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise StoreAddressInUse(f"{host}:{port} is already in use") from exc
+        raise OobleckError(f"cannot host the membership store at {host}:{port} ({exc.strerror}): give an "
+                           "address of this machine, or let the machine that has it host the store") from exc
+    return sock.detach()
 
 
 class MembershipStore(abc.ABC):
@@ -92,13 +121,20 @@ class MembershipStore(abc.ABC):
 
 
 class EmbeddedStore(MembershipStore):
-    """A TCPStore hosted by the launcher (or the first agent) at the rendezvous endpoint."""
+    """A TCPStore hosted by the launcher (or the first agent) at the rendezvous endpoint; the
+    server listens on that address only."""
 
     def __init__(self, host: str, port: int, run_id: str, *, is_master: bool = False,
                  timeout: float = 60.0) -> None:
         self.host, self.port, self.run_id, self.is_master = host, port, run_id, is_master
-        self._tcp = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
-                                  timeout=timedelta(seconds=timeout), use_libuv=True)
+        fd = _listen(host, port) if is_master else None
+        try:
+            self._tcp = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
+                                      timeout=timedelta(seconds=timeout), use_libuv=True, master_listen_fd=fd)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
         self.port = self._tcp.port  # the chosen one when the server was asked for port 0
         self._store = dist.PrefixStore(f"oobleck/{run_id}", self._tcp)
 

@@ -103,6 +103,13 @@ class BatchLoader:
         self._ahead = (nxt, self._executor.submit(self._load, *nxt))
         return batch
 
+    def microbatch_input(self, microbatch_size: int) -> torch.Tensor:
+        """A microbatch's inputs shaped as the dataset gives them (sample 0, repeated): what
+        stage shapes are computed from."""
+        ds = self.dataset
+        one = ds.inputs([0]) if hasattr(ds, "inputs") else ds.batch([0])[0]
+        return one.expand(microbatch_size, *one.shape[1:]).contiguous()
+
     def _load(self, step: int, lo: int, hi: int, first: bool, last: bool) -> Batch:
         indices = self.order.indices(step, self.global_batch, lo, hi)
         ds = self.dataset

@@ -114,8 +114,17 @@ class Generation:
             sets.setdefault(role.pipeline, set()).add(rank)
         return [sets[p] for p in sorted(sets)]
 
-    def build_schedule(self) -> None:
-        """Builds this worker's stages and schedule once its layers are in place.
+    def build_schedule(self, boundaries: list[torch.Tensor] | None = None) -> None:
+        """Builds this worker's stages and schedule once its layers are in place. `boundaries`:
+        the meta tensor entering each layer and leaving the last (Note: [static stage shapes]).
+
+        Note: [static stage shapes]
+            Given no shapes, a PipelineStage infers them on a generation's first step by
+            sending its output's metadata to the next stage with send_object_list: a pickle
+            that the receiver unpickles, from whoever holds that socket. Every worker computes
+            the activation at each layer boundary once, on the meta device (runtime.model.
+            boundary_activations), and gives each stage its input and output: torch then takes
+            the static path, with nothing pickled and no extra round trip at each rebuild.
 
         Note: [stage to rank]
             new_group sorts its ranks, so a pipeline's group ranks follow global rank order,
@@ -129,8 +138,12 @@ class Generation:
         to_group_rank = {k: sorted_ranks.index(r) for k, r in enumerate(role.stage_ranks)}
         self.stage_modules = [StageModule([self.layers[i].module for i in range(*layers)], self._fault)
                               for layers in role.stage_layers]
-        self.stages = [PipelineStage(module, k, role.num_stages, self.layers.device, group=self.pipeline_group)
-                       for module, k in zip(self.stage_modules, role.stages)]
+        def shapes(layers: tuple[int, int]) -> dict[str, torch.Tensor]:
+            return {} if boundaries is None else {"input_args": boundaries[layers[0]],
+                                                  "output_args": boundaries[layers[1]]}
+        self.stages = [PipelineStage(module, k, role.num_stages, self.layers.device, group=self.pipeline_group,
+                                     **shapes(layers))
+                       for module, k, layers in zip(self.stage_modules, role.stages, role.stage_layers)]
         kind = SCHEDULES[self._schedule_name]
         if self._schedule_name in MULTI_STAGE:
             for stage in self.stages:

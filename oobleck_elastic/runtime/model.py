@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "ModelSpec", "SharedParameter", "counted_elements", "layer_seed",
+__all__ = ["LayerSpec", "ModelSpec", "SharedParameter", "boundary_activations", "counted_elements", "layer_seed",
            "materialize_layer", "model_fingerprint", "state_shapes", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -172,3 +172,24 @@ def state_shapes(spec: ModelSpec, dtype: torch.dtype) -> dict[str, str]:
     a checkpoint's manifest records, so a mismatch can be named)."""
     return {key: f"{kind.removeprefix('torch.')}{shape}"
             for _, _, state in _meta_states(spec, dtype) for key, shape, kind in state}
+
+
+def boundary_activations(spec: ModelSpec, dtype: torch.dtype, microbatch_input: torch.Tensor) -> list[torch.Tensor]:
+    """Meta tensors of what crosses each layer boundary for one microbatch: entry 0 is the
+    input (shaped like `microbatch_input`), entry i the output of layer i - 1. Computed by
+    running every layer on the meta device (nothing allocated or loaded), so pipeline stages
+    know their shapes before the first step (Note: [static stage shapes] in
+    runtime/generation.py). Floating activations after the input require grad, as received
+    activations do."""
+    x = torch.empty_strided(microbatch_input.shape, microbatch_input.stride(), dtype=microbatch_input.dtype,
+                            device="meta")
+    out = [x]
+    with torch.no_grad():
+        for layer in spec.layers:
+            with torch.device("meta"):
+                module = layer.factory()
+            x = module.to(dtype=dtype)(x)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"layer {layer.name!r} returned {type(x).__name__}, not a tensor")
+            out.append(x.detach().requires_grad_(x.is_floating_point()))
+    return out

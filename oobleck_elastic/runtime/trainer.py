@@ -23,7 +23,7 @@ from oobleck_elastic.runtime.checkpoint import restore_layers
 from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
 from oobleck_elastic.runtime.generation import Generation
 from oobleck_elastic.runtime.layers import LayerStore, lr_factor
-from oobleck_elastic.runtime.model import ModelSpec, layer_seed
+from oobleck_elastic.runtime.model import ModelSpec, boundary_activations, layer_seed
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.transfer import run_transfers
 
@@ -87,6 +87,21 @@ class Trainer:
         self.last_build_s: dict[str, float] = {}
         self.timeout = timedelta(seconds=cfg.elastic.collective_timeout_s)
         self._step_count = 0  # counted target elements of the step being computed
+        self._boundaries: list[torch.Tensor] | None = None  # stage shapes, computed at the first build
+
+    def boundaries(self) -> list[torch.Tensor] | None:
+        """Meta tensors of every layer boundary (runtime.generation Note: [static stage shapes]);
+        None where the model cannot run on the meta device (then shapes are inferred at run time)."""
+        if self._boundaries is None:
+            sample = self.loader.microbatch_input(self.cfg.train.microbatch_size)
+            try:
+                self._boundaries = boundary_activations(self.model, self.layers.dtype, sample)
+            except Exception as exc:  # a layer with data-dependent control flow, say
+                logger.warning("%s: the model does not run on the meta device (%s: %s), so pipeline stages "
+                               "exchange their shapes at each generation's first step, as pickles "
+                               "(README: trust model)", self.me, type(exc).__name__, str(exc).splitlines()[0][:160])
+                self._boundaries = []
+        return self._boundaries or None
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The microbatch's share of the global-batch mean (runtime.model Note: [loss])."""
@@ -129,7 +144,7 @@ class Trainer:
                                          "transferred: the transfer plan is incomplete")
                 self.layers.materialize(i)
         if gen.role is not None:
-            gen.build_schedule()
+            gen.build_schedule(self.boundaries())
         if settle:
             self.settle()
         self.last_build_s = {"reinit": t1 - t0, "transfer": t2 - t1, "rebuild": time.perf_counter() - t2}

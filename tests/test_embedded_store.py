@@ -1,0 +1,44 @@
+"""The embedded store listens on the address it is given, and hosting it where that address
+is not this machine's is a clear error, not a silent fall back to being a client (issue 10,
+items 7 and 9)."""
+
+from __future__ import annotations
+
+import socket
+
+import psutil
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from oobleck_elastic.elastic.store import StoreAddressInUse, host_store
+from oobleck_elastic.errors import OobleckError
+
+
+def listening(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_a_store_hosted_at_loopback_listens_on_loopback_only():
+    store = host_store("127.0.0.1", 0, "bind")
+    assert listening(store.port) == {"127.0.0.1"}, "not on every interface"
+    store.set_json("k", 1)
+    assert store.try_get_json("k") == 1
+
+
+def test_a_second_host_on_the_same_port_is_told_the_address_is_taken():
+    store = host_store("127.0.0.1", 0, "taken")
+    with pytest.raises(StoreAddressInUse, match=f"127.0.0.1:{store.port} is already in use"):
+        host_store("127.0.0.1", store.port, "taken")
+
+
+def test_hosting_the_store_at_an_address_of_another_machine_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    params = RendezvousParameters(backend="oobleck", endpoint=f"192.0.2.1:{port}", run_id="elsewhere",
+                                  min_nodes=1, max_nodes=1, join_timeout="5", is_host="1")
+    with pytest.raises(OobleckError, match=r"cannot host the membership store at 192.0.2.1:\d+ \(Cannot assign "
+                                           r"requested address\): give an address of this machine"):
+        get_rendezvous_handler(params)
