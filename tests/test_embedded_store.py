@@ -8,7 +8,7 @@ import socket
 
 import psutil
 import pytest
-from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from oobleck_elastic.elastic.store import StoreAddressInUse, host_store
@@ -42,3 +42,34 @@ def test_hosting_the_store_at_an_address_of_another_machine_is_a_clear_error():
     with pytest.raises(OobleckError, match=r"cannot host the membership store at 192.0.2.1:\d+ \(Cannot assign "
                                            r"requested address\): give an address of this machine"):
         get_rendezvous_handler(params)
+
+
+def handler(port: int, run_id: str, nnodes: tuple[int, int] = (1, 1), **conf):
+    return get_rendezvous_handler(RendezvousParameters(
+        backend="oobleck", endpoint=f"127.0.0.1:{port}", run_id=run_id, min_nodes=nnodes[0], max_nodes=nnodes[1],
+        join_timeout="5", **conf))
+
+
+@pytest.mark.parametrize("run_id", ["a/gen4", "", "-x", "a b", "x" * 129])
+def test_a_run_id_that_could_share_keys_with_another_run_is_refused(run_id):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match="is not a valid run id: use 1 to 128 letters, digits"):
+        handler(port, run_id)
+
+
+def test_two_jobs_with_the_default_id_on_one_endpoint_do_not_merge():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = handler(port, "none", (1, 1))
+    first.next_rendezvous()
+    try:
+        other = handler(port, "none", (2, 4), is_host="0")
+        with pytest.raises(RendezvousError, match=r"started with --nnodes=2:4, but run 'none' at 127.0.0.1:\d+ has "
+                                                  r"--nnodes=1:1: it is another job. Give each job its own --rdzv-id"):
+            other.next_rendezvous()
+        assert first.store.add("nodes/next", 0) == 1, "the other job's node never registered"
+    finally:
+        first.shutdown()

@@ -29,7 +29,7 @@ from typing import Any
 import etcd
 import torch.distributed as dist
 
-from oobleck_elastic.elastic.store import MembershipStore, StoreUnreachable
+from oobleck_elastic.elastic.store import MembershipStore, StoreUnreachable, check_run_id
 
 __all__ = ["EtcdStore"]
 
@@ -41,7 +41,7 @@ class EtcdStore(MembershipStore):
 
     def __init__(self, host: str, port: int, run_id: str, *, timeout: float = 60.0,
                  request_timeout: float = 5.0) -> None:
-        self.host, self.port, self.run_id, self.timeout = host, port, run_id, timeout
+        self.host, self.port, self.run_id, self.timeout = host, port, check_run_id(run_id), timeout
         self._client = etcd.Client(host=host, port=port, read_timeout=request_timeout)
         self._prefix = f"/oobleck/{run_id}/"
         self._torch_store: dist.Store | None = None

@@ -4,10 +4,14 @@ with `action=stop`, SIGSTOP the worker alone: a hung worker whose agent keeps th
     OOBLECK_FAULT="node=2,step=7,phase=backward"            one fault
     OOBLECK_FAULT="node=2,step=7,phase=backward;node=0,step=9,phase=commit"
 
-Phases: forward, backward, grad_sync, commit, optimizer, transfer, agreement, restore (while a
-generation restored from a checkpoint is built), checkpoint (once this worker has written its
+Phases: forward, backward, grad_sync, commit, optimizer, build (a generation that starts at
+step K is being built: its process groups exist, no layer has moved), transfer, agreement,
+restore (while a generation restored from a checkpoint is built), checkpoint (once this worker has written its
 layers of the checkpoint after step K, before the checkpoint is published), eval (as the
-evaluation after step K begins). A worker of the
+evaluation after step K begins), grow (a member, as joiners admitted after step K or later
+are about to be proposed: it died in its optimizer step) and admit (a member, once the record
+admitting them has won, before it is built). grow and admit fire at the first admission at or
+after step K, since when a joiner is ready is not known in advance. A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -27,8 +31,9 @@ from oobleck_elastic.errors import ConfigError
 __all__ = ["Fault", "parse_faults", "FaultInjector", "PHASES"]
 
 ACTIONS = ("kill", "stop")
-PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "transfer", "agreement", "restore",
-          "checkpoint", "eval")
+PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "build", "transfer", "agreement", "restore",
+          "checkpoint", "eval", "grow", "admit")
+AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fire at
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,8 @@ class FaultInjector:
     def __call__(self, phase: str, step: int | None = None) -> None:
         """`step`: of a phase outside the step loop (a checkpoint written in the background)."""
         step = self.step if step is None else step
-        fault = next((f for f in self.faults if f.step == step and f.phase == phase), None)
+        fault = next((f for f in self.faults if f.phase == phase
+                      and (f.step == step or (phase in AT_OR_AFTER and f.step <= step))), None)
         if fault is not None:
             record = {"time": time.time(), "node": self.node, "step": step, "phase": phase}
             if self.store is not None:

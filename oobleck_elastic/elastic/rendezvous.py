@@ -95,7 +95,21 @@ class OobleckRendezvousHandler(RendezvousHandler):
         logger.info("[node %d] registered at %s", self.node, self.store.url)
         return self.node
 
+    def _check_limits(self) -> None:
+        """A node started with other `--nnodes` than the run's belongs to another job (two jobs
+        on one endpoint with torchrun's default id `none`, say): it is refused before it
+        registers. Nodes of jobs that differ in their config are refused by their workers
+        (membership.check_same_job)."""
+        run = self.store.try_get_json("limits")
+        if run is not None and (run["min_nodes"], run["max_nodes"]) != (self.min_nodes, self.max_nodes):
+            raise RendezvousError(
+                f"this node was started with --nnodes={self.min_nodes}:{self.max_nodes}, but run "
+                f"'{self.store.run_id}' at {self.store.url} has --nnodes={run['min_nodes']}:{run['max_nodes']}: "
+                "it is another job. Give each job its own --rdzv-id (or its own endpoint)")
+
     def next_rendezvous(self) -> RendezvousInfo:
+        if self.node is None:
+            self._check_limits()
         node = self._register()
         if self.store.try_get_json("generation") is None:
             deadline = time.monotonic() + self.timeout

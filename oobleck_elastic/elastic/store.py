@@ -22,6 +22,7 @@ import abc
 import errno
 import json
 import os
+import re
 import socket
 import time
 from datetime import timedelta
@@ -29,10 +30,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.errors import ConfigError, OobleckError
 
-__all__ = ["MembershipStore", "EmbeddedStore", "host_store", "connect_store", "StoreAddressInUse", "StoreTimeout",
-           "StoreUnreachable"]
+__all__ = ["MembershipStore", "EmbeddedStore", "check_run_id", "host_store", "connect_store", "StoreAddressInUse",
+           "StoreTimeout", "StoreUnreachable"]
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_run_id(run_id: str) -> str:
+    """`run_id` if it can scope a run's keys: letters, digits, '.', '_' and '-'. A '/' would
+    let one run's keys be another's (`a/gen4/...` is run `a`'s generation 4)."""
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise ConfigError(f"--rdzv-id {run_id!r} is not a valid run id: use 1 to 128 letters, digits, '.', '_' "
+                          "or '-', starting with a letter or digit")
+    return run_id
 
 
 class StoreTimeout(OobleckError):
@@ -126,7 +138,7 @@ class EmbeddedStore(MembershipStore):
 
     def __init__(self, host: str, port: int, run_id: str, *, is_master: bool = False,
                  timeout: float = 60.0) -> None:
-        self.host, self.port, self.run_id, self.is_master = host, port, run_id, is_master
+        self.host, self.port, self.run_id, self.is_master = host, port, check_run_id(run_id), is_master
         fd = _listen(host, port) if is_master else None
         try:
             self._tcp = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,

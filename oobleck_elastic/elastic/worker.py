@@ -168,7 +168,9 @@ class _Run:
         # since for each collection to scan (< 1 ms).
         gc.collect()
         gc.freeze()
-        if record["generation"] == 0 and "instantiation" not in record:
+        # the rendezvous's bare record of the first members stays the pointer until the first
+        # change: a node not among them joins, however the pointer reads
+        if record["generation"] == 0 and "instantiation" not in record and self.me.node in nodes:
             if (self.env.node, self.env.local_rank) == (min(nodes), 0):
                 self.store.create_json("generation/0", self._first_record(record, nodes))
             first = self._wait_first_record()
@@ -177,8 +179,8 @@ class _Run:
         else:
             self.checkpoints.note_first(self.store.try_get_json("generation/0") or {})
             failure = self._join()
-        if failure:
-            raise RuntimeError(f"could not enter the run: {failure}")
+        if failure:  # a node died while the first generation (or this joiner's) was built
+            self.recover(failure)
 
     def _first_record(self, record: dict, nodes: list[int]) -> dict:
         """Generation 0, by the first worker of the first node: its instantiation, and the
@@ -277,6 +279,8 @@ class _Run:
                               workers_per_node=self.env.local_world_size, instantiation=inst,
                               templates=self.templates)
         self.plan = plan
+        if self.fault:
+            self.fault.step = start_step  # the step of faults while it is built (build, transfer)
         cause = None
         try:
             self.moved = self.trainer.build(plan, transfers, settle=False, restore_from=restore_from)
@@ -344,11 +348,22 @@ class _Run:
         old = self.plan
         step = self.trainer.completed_steps
         self.trainer.close()
-        recon = reconfigure(self.templates, old.instantiation, joined=joiners)
+        if self.fault:
+            self.fault("grow")
+        # A member that died after the commit (in its optimizer step) is left out when its death
+        # is known already (its agent marked it); if not, the build fails and recovery drops it.
+        dead = sorted(self.watcher.dead(old.instantiation.nodes))
+        try:
+            recon = reconfigure(self.templates, old.instantiation, lost=dead, joined=joiners)
+        except LayersLostError:  # the build will fail and the recovery fall back to the checkpoint
+            dead, recon = [], reconfigure(self.templates, old.instantiation, joined=joiners)
+        cause = f"node(s) {joiners} joined" + (f"; node(s) {dead} lost after step {step - 1}" if dead else "")
         proposal = {"generation": old.generation + 1, "nodes": list(recon.instantiation.nodes), "start_step": step,
-                    "lost": [], "joined": joiners, "base": old.generation, "cause": f"node(s) {joiners} joined",
+                    "lost": dead, "joined": joiners, "base": old.generation, "cause": cause,
                     "actions": list(recon.actions), "instantiation": to_jsonable(recon.instantiation)}
         record = propose_generation(self.store, old.generation + 1, proposal, self.cfg.elastic.agreement_timeout_s)
+        if self.fault:
+            self.fault("admit")
         t1 = time.perf_counter()
         failure = self._adopt(record)
         phases = {"agree": t1 - started, **self.trainer.last_build_s}
@@ -398,23 +413,27 @@ class _Run:
                                 list(old.instantiation.nodes), self.env.local_world_size, self.watcher,
                                 self.cfg.elastic.agreement_timeout_s, self.cfg.elastic.rollcall_window_s)
         base = old.generation if self._complete(old.generation) else self.records[old.generation]["base"]
-        if base is None:  # the generation that failed was being restored from a checkpoint
-            return self._restore_checkpoint(old, alive, dead, cause, phases, t0)
+        if base is None:  # the first generation failed, or one restored from a checkpoint
+            fresh = self.records[old.generation].get("restored_from") is None
+            return self._restart(old, alive, dead, cause, phases, t0, fresh=fresh)
         base_inst = from_jsonable(Instantiation, self._record(base)["instantiation"])
         lost = sorted(set(base_inst.nodes) - set(alive))
-        if lost:
+        # joiners of a failed admission that answered the roll call are admitted again
+        joined = sorted(set(alive) - set(base_inst.nodes))
+        if not lost and not dead:  # slow is not dead: the step is replayed by the same nodes
+            self._count_retry(step, cause)
+        if lost or joined:
             try:
-                recon = reconfigure(self.templates, base_inst, lost=lost)
+                recon = reconfigure(self.templates, base_inst, lost=lost, joined=joined)
             except LayersLostError as exc:
-                return self._restore_checkpoint(old, alive, dead, f"{cause}; {exc}", phases, t0)
+                return self._restart(old, alive, dead, f"{cause}; {exc}", phases, t0)
             inst, actions = recon.instantiation, list(recon.actions)
         elif dead:  # only nodes the base does not have (joiners) were lost: back to the base's layout
             inst, actions = base_inst, [f"node(s) {dead} lost before they were built in: generation {base}'s layout"]
-        else:  # slow is not dead: every node answered, so the step is replayed by the same nodes
-            self._count_retry(step, cause)
+        else:
             inst, actions = base_inst, ["every node answered the roll call: rebuilt with the same nodes"]
         proposal = {"generation": old.generation + 1, "nodes": list(inst.nodes), "start_step": step,
-                    "lost": dead, "joined": [], "base": base, "cause": cause, "actions": actions,
+                    "lost": dead, "joined": joined, "base": base, "cause": cause, "actions": actions,
                     "instantiation": to_jsonable(inst)}
         # Every survivor proposes; compare-and-set keeps the first, so losing any one of them (the
         # "coordinator") cannot stall the agreement, and everyone acts on the record that won.
@@ -454,21 +473,40 @@ class _Run:
             raise OobleckError(f"step {step} failed {self.retries[step]} times with every node alive, so it is "
                                f"not a node failure: {cause}")
 
-    def _restore_checkpoint(self, old: GenerationPlan, alive: list[int], dead: list[int], cause: str,
-                            phases: dict[str, float], t0: float) -> str | None:
-        """More failures than replicas: every survivor restarts from the latest checkpoint."""
-        step = self.checkpoints.fallback_step()
-        if step is None:
-            raise OobleckError(f"{cause}. There is no complete checkpoint of this run in {self.cfg.checkpoint.dir!r} "
-                               "(checkpoint.interval) to fall back to: the run cannot continue")
-        logger.warning("[node %d] layers lost: restoring the checkpoint of step %d", self.me.node, step)
-        pipelines = self.cfg.fault_tolerance + 1 if len(alive) >= (self.cfg.fault_tolerance + 1) * self.templates.min_nodes else 1
-        inst = instantiate(self.templates, alive, self.cfg.train.global_batch_size, self.cfg.train.microbatch_size,
-                           min_pipelines=pipelines)
+    def _layout(self, alive: list[int]) -> Instantiation:
+        """The fastest instantiation on as many of `alive` as the templates cover, with f + 1
+        pipelines where they fit, else one; the nodes left over wait as spares."""
+        train, replicas = self.cfg.train, self.cfg.fault_tolerance + 1
+        error = None
+        for count in range(len(alive), 0, -1):
+            for pipelines in dict.fromkeys((replicas, 1)):
+                try:
+                    inst = instantiate(self.templates, alive[:count], train.global_batch_size, train.microbatch_size,
+                                       min_pipelines=pipelines)
+                except PlanningError as exc:
+                    error = error or exc
+                    continue
+                return dataclasses.replace(inst, spares=tuple(alive[count:]))
+        raise error
+
+    def _restart(self, old: GenerationPlan, alive: list[int], dead: list[int], cause: str,
+                 phases: dict[str, float], t0: float, fresh: bool = False) -> str | None:
+        """More failures than replicas: every survivor restarts from the latest checkpoint. With
+        `fresh`, the first generation failed before it trained: the survivors start it again."""
+        if fresh:
+            step, restored, action = 0, None, "started the run again on nodes {nodes}"
+        else:
+            step = self.checkpoints.fallback_step()
+            if step is None:
+                raise OobleckError(f"{cause}. There is no complete checkpoint of this run in "
+                                   f"{self.cfg.checkpoint.dir!r} (checkpoint.interval) to fall back to: the run "
+                                   "cannot continue")
+            logger.warning("[node %d] layers lost: restoring the checkpoint of step %d", self.me.node, step)
+            restored, action = step, f"restored the checkpoint of step {step} on nodes {{nodes}}"
+        inst = self._layout(alive)
         proposal = {"generation": old.generation + 1, "nodes": list(inst.nodes), "start_step": step, "lost": dead,
-                    "joined": [], "base": None, "restored_from": step, "cause": cause,
-                    "actions": [f"restored the checkpoint of step {step} on nodes {list(inst.nodes)}"],
-                    "instantiation": to_jsonable(inst)}
+                    "joined": [], "base": None, "restored_from": restored, "cause": cause,
+                    "actions": [action.format(nodes=list(inst.nodes))], "instantiation": to_jsonable(inst)}
         record = propose_generation(self.store, old.generation + 1, proposal, self.cfg.elastic.agreement_timeout_s)
         t2 = time.perf_counter()
         failure = self._adopt(record)

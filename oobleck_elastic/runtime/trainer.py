@@ -128,6 +128,7 @@ class Trainer:
         gen = Generation(plan, self.me, self.store, self.layers, loss_fn=self._loss_fn,
                          schedule=self.cfg.train.schedule, timeout=self.timeout, fault=self.fault)
         self.generation = gen
+        self.fault("build")
         t1 = time.perf_counter()
         if transfers:
             self.fault("transfer")
