@@ -4,14 +4,16 @@ with `action=stop`, SIGSTOP the worker alone: a hung worker whose agent keeps th
     OOBLECK_FAULT="node=2,step=7,phase=backward"            one fault
     OOBLECK_FAULT="node=2,step=7,phase=backward;node=0,step=9,phase=commit"
 
-Phases: forward, backward, grad_sync, commit, optimizer, build (a generation that starts at
+Phases: forward, backward, grad_sync, commit, committed (the step's commit decided, before
+anything is done with it), optimizer, build (a generation that starts at
 step K is being built: its process groups exist, no layer has moved), transfer, agreement,
 restore (while a generation restored from a checkpoint is built), checkpoint (once this worker has written its
 layers of the checkpoint after step K, before the checkpoint is published), eval (as the
 evaluation after step K begins), grow (a member, as joiners admitted after step K or later
 are about to be proposed: it died in its optimizer step) and admit (a member, once the record
 admitting them has won, before it is built). grow and admit fire at the first admission at or
-after step K, since when a joiner is ready is not known in advance. A worker of the
+after step K, since when a joiner is ready is not known in advance. `action=slow,seconds=S` makes the worker
+sleep S seconds each time it reaches the phase of that step (a slow transfer, say). A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -30,8 +32,8 @@ from oobleck_elastic.errors import ConfigError
 
 __all__ = ["Fault", "parse_faults", "FaultInjector", "PHASES"]
 
-ACTIONS = ("kill", "stop")
-PHASES = ("forward", "backward", "grad_sync", "commit", "optimizer", "build", "transfer", "agreement", "restore",
+ACTIONS = ("kill", "stop", "slow")
+PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "build", "transfer", "agreement", "restore",
           "checkpoint", "eval", "grow", "admit")
 AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fire at
 
@@ -42,17 +44,20 @@ class Fault:
     step: int
     phase: str
     action: str = "kill"
+    seconds: float = 0.0
 
 
 def parse_faults(text: str) -> list[Fault]:
     faults = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         fields = dict(item.split("=", 1) for item in part.split(",") if "=" in item)
-        if not {"node", "step", "phase"} <= set(fields) <= {"node", "step", "phase", "action"} \
-                or fields["phase"] not in PHASES or fields.get("action", "kill") not in ACTIONS:
+        action = fields.get("action", "kill")
+        if not {"node", "step", "phase"} <= set(fields) <= {"node", "step", "phase", "action", "seconds"} \
+                or fields["phase"] not in PHASES or action not in ACTIONS or ("seconds" in fields) != (action == "slow"):
             raise ConfigError(f"OOBLECK_FAULT entry {part!r} must be node=N,step=K,phase=P[,action=A] with P one "
-                              f"of {', '.join(PHASES)} and A one of {', '.join(ACTIONS)}")
-        faults.append(Fault(int(fields["node"]), int(fields["step"]), fields["phase"], fields.get("action", "kill")))
+                              f"of {', '.join(PHASES)} and A one of {', '.join(ACTIONS)} (slow takes seconds=S)")
+        faults.append(Fault(int(fields["node"]), int(fields["step"]), fields["phase"], action,
+                            float(fields.get("seconds", 0.0))))
     return faults
 
 
@@ -82,7 +87,9 @@ class FaultInjector:
             if log:  # when the kill happened, for benchmarks/recovery.py
                 with open(log, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            if fault.action == "stop":
+            if fault.action == "slow":  # every time: a replay is as slow
+                time.sleep(fault.seconds)
+            elif fault.action == "stop":
                 self.faults.remove(fault)  # once: after SIGCONT the step is replayed
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:

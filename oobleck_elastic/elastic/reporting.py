@@ -71,6 +71,13 @@ class RunReport:
         except (OobleckError, RuntimeError) as exc:  # torch's store errors are RuntimeErrors
             logger.warning("could not publish the progress of step %d: %s", stats.step, str(exc).splitlines()[0][:160])
 
+    def catch_up(self, stats: StepStats, plan: GenerationPlan) -> None:
+        """A new reporting worker (the last one died) writes the line of the last committed step
+        if its predecessor died before it could: every worker holds the step's statistics."""
+        published = self.store.try_get_json("progress")
+        if published is None or published["step"] < stats.step:
+            self.step(stats, plan)
+
     def recovery(self, *, plan: GenerationPlan, record: dict, first_generation: int, before: set[int],
                  transfers: list, phases: dict[str, float], total_s: float, failed_at: float | None,
                  first_failure: float | None) -> None:

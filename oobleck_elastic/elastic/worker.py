@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,8 @@ class _Run:
                                           f"node {env.node} rank {env.local_rank}", store, fault)
         self.stop_requested = False  # set by SIGTERM in a worker running alone (run_worker)
         self.stopped = False  # a committed stop: the final checkpoint is written, the run ends
+        self.last_error: str | None = None  # the traceback of the last failure, as text
+        self.last_step: tuple | None = None  # (stats, plan) of the last committed step
 
     def _job(self) -> dict[str, object]:
         """What every node of the run must agree on (flat dotted keys, JSON values)."""
@@ -281,6 +284,10 @@ class _Run:
         self.plan = plan
         if self.fault:
             self.fault.step = start_step  # the step of faults while it is built (build, transfer)
+        # Slow is not dead: each replay of a step that failed with every node alive doubles the
+        # collective timeout, so a transfer or step slower than elastic.collective_timeout_s
+        # gets through (Note: [roll call] in elastic/membership.py).
+        self.trainer.set_timeout(self.cfg.elastic.collective_timeout_s * 2 ** self.retries.get(start_step, 0))
         cause = None
         try:
             self.moved = self.trainer.build(plan, transfers, settle=False, restore_from=restore_from)
@@ -292,6 +299,8 @@ class _Run:
         self.trainer.settle()
         if plan.rank_of(self.me) == 0 and self.report is None:
             self.report = RunReport(self.cfg, self.store, self.model.num_layers)
+            if self.last_step is not None:  # rank 0 died after a commit, maybe before its line
+                self.report.catch_up(*self.last_step)
         if self.report:
             self.report.generation(plan, self.templates)
             if generation == 0 and self.records[0].get("resumed"):
@@ -327,6 +336,9 @@ class _Run:
         joiners, stop = commit_step(self.store, plan.generation, computed.stats.step, len(plan.members),
                                     plan.instantiation.nodes, self.watcher, self.cfg.elastic.agreement_timeout_s,
                                     self.max_nodes)
+        if self.fault:
+            self.fault("committed")
+        self.last_step = (computed.stats, plan)
         if self.report:
             self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
@@ -471,7 +483,7 @@ class _Run:
         self.retries[step] = self.retries.get(step, 0) + 1
         if self.retries[step] > MAX_REPLAYS_WITHOUT_LOSS:
             raise OobleckError(f"step {step} failed {self.retries[step]} times with every node alive, so it is "
-                               f"not a node failure: {cause}")
+                               f"not a node failure: {cause}\nThe last failure, whole:\n{self.last_error or cause}")
 
     def _layout(self, alive: list[int]) -> Instantiation:
         """The fastest instantiation on as many of `alive` as the templates cover, with f + 1
@@ -532,6 +544,7 @@ class _Run:
             except (RuntimeError, StepAborted) as exc:  # gloo errors are RuntimeErrors
                 cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 self.failed_at = time.time()
+                self.last_error = "".join(traceback.format_exception(exc))  # text: holds no frame
             if cause is not None:
                 # Recover only after leaving the except block: until then the exception and
                 # its traceback keep the dead generation's groups (and their sockets) alive,

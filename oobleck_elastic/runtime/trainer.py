@@ -110,6 +110,10 @@ class Trainer:
             return output.sum() * 0.0
         return self.model.loss(output, target) * (count / self._step_count)
 
+    def set_timeout(self, seconds: float) -> None:
+        """The timeout of the next generation's collectives and transfers."""
+        self.timeout = timedelta(seconds=seconds)
+
     def build(self, plan: GenerationPlan, transfers: Sequence[Transfer] = (), *, settle: bool = True,
               restore_from: str | None = None) -> int:
         """Closes the current generation, builds `plan`'s, moves layer state; returns bytes moved.
