@@ -4,6 +4,7 @@ items 7 and 9)."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import psutil
@@ -44,6 +45,16 @@ def test_hosting_the_store_at_an_address_of_another_machine_is_a_clear_error():
         get_rendezvous_handler(params)
 
 
+@pytest.fixture(autouse=True)
+def own_environment():
+    """A handler's rendezvous sets OOBLECK_* in this process's environment for its workers:
+    undone after each test, or every job a later test starts would think it is a worker."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def handler(port: int, run_id: str, nnodes: tuple[int, int] = (1, 1), **conf):
     return get_rendezvous_handler(RendezvousParameters(
         backend="oobleck", endpoint=f"127.0.0.1:{port}", run_id=run_id, min_nodes=nnodes[0], max_nodes=nnodes[1],
@@ -73,3 +84,31 @@ def test_two_jobs_with_the_default_id_on_one_endpoint_do_not_merge():
         assert first.store.add("nodes/next", 0) == 1, "the other job's node never registered"
     finally:
         first.shutdown()
+
+
+def test_the_store_host_stays_up_while_other_nodes_train_beyond_its_join_timeout():
+    """Issue 10, item 9: the agent hosting the embedded store leaves early (its workers were
+    fenced, say); it must keep the store up as long as another node's lease moves, not only
+    for its join timeout, and stop once that node has left."""
+    import threading
+    import time
+
+    from oobleck_elastic.elastic.membership import Heartbeat
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    host = handler(port, "hostleaves", (1, 2), heartbeat_interval="0.1")  # join_timeout 5 s
+    host.timeout = 1.0
+    host.next_rendezvous()
+    other = host.store.register_node({"host": "elsewhere"})
+    beating = Heartbeat(host.store, other, 0.1)
+    done = threading.Event()
+    leaving = threading.Thread(target=lambda: (host.shutdown(), done.set()), daemon=True)
+    leaving.start()
+    try:
+        assert not done.wait(3.0), "the host stopped the store while node 1 still trained"
+        host.store.set_json(f"nodes/{other}/left", True)
+        assert done.wait(10.0), "the host never stopped once the others had left"
+    finally:
+        beating.stop()

@@ -168,16 +168,23 @@ class OobleckRendezvousHandler(RendezvousHandler):
 
     def _wait_for_others_to_leave(self) -> None:
         """The agent hosting the embedded store keeps it up until every other node has left
-        (or is dead: marked, or its lease stopped), so their last words reach it."""
+        or is dead (marked, or its lease stopped): the store is the run's, and a host whose
+        own workers stopped (fenced, say) must not take it from nodes that still train. So
+        there is no deadline while a lease moves; a node that stops renewing its lease is
+        given up on after a few heartbeats."""
         watcher = LeaseWatcher(self.store, max(2.0, 4 * self.heartbeat_interval))
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+        logged = False
+        while True:
             nodes = range(self.store.add("nodes/next", 0))
             staying = [n for n in nodes if self.store.try_get_json(f"nodes/{n}/left") is None]
-            if not staying or set(staying) <= watcher.dead(staying):
+            live = set(staying) - watcher.dead(staying)
+            if not live:
                 return
+            if not logged:
+                logger.warning("[node %d] keeping the membership store up for node(s) %s, which are still in the "
+                               "run", self.node, sorted(live))
+                logged = True
             time.sleep(0.1)
-        logger.warning("[node %d] stopping the store with node(s) %s still in the run", self.node, staying)
 
 
 def _free_port() -> int:
