@@ -164,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         data = {k: to_jsonable(v) for k, v in out.items() if not k.startswith("_")}
+        # a flat list of templates; what the set knows besides them sits beside it
+        coverage = data.pop("templates")
+        data = {"templates": coverage.pop("templates"), "coverage": coverage, **data}
         if "reconfiguration" in data:
             data["transfers"] = data["reconfiguration"]["transfers"]
         json.dump(data, sys.stdout, indent=1)

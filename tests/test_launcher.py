@@ -54,6 +54,12 @@ def test_local_job_trains_reports_and_matches_reference(tmp_path):
     assert len(final) == 1 and len(final[0]["param_sums"]) == 8
     assert list((tmp_path / "job/tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "job/tb/layout_generation_0.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "job/tb/throughput.png").read_bytes().startswith(b"\x89PNG")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "job/tb")).Reload()
+    assert {"layout/generation_0", "throughput"} <= set(events.Tags()["images"])
+    assert events.Images("layout/generation_0")[0].encoded_image_string.startswith(b"\x89PNG")
     assert not our_processes("--rdzv-id=launchtest"), "no node agent or worker outlives the launcher"
 
     alone = subprocess.run([sys.executable, script, *job_args(tmp_path, "ref")], cwd=tmp_path,

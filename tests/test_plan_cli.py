@@ -21,7 +21,8 @@ def run_json(capsys, *extra):
 
 def test_json_has_documented_keys(capsys):
     out = run_json(capsys, "--fail", "0", "--join", "1")
-    t = out["templates"]["templates"][0]
+    t = out["templates"][0]
+    assert out["coverage"]["min_nodes"] == 4 and "uncovered" in out["coverage"]
     assert t["nodes"] == 4 and t["iteration_ms"] > 0
     assert t["stages"][0]["layers"][0] == 0 and t["stages"][-1]["layers"][1] == 24
     assert {s["node"] for s in t["stages"]} == {0, 1, 2, 3}

@@ -4,8 +4,10 @@ on request] in elastic/agent.py) unless it is torch stopping the node after a fa
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,10 +20,21 @@ from oobleck_elastic.errors import OobleckError
 
 __all__ = ["check_lease", "stop_or_die", "watch_parent"]
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
 
 def watch_parent() -> None:
-    """Workers exit when their agent dies (a SIGKILLed agent would otherwise leave orphans)."""
+    """Workers die with their agent (a SIGKILLed agent would otherwise leave orphans): on Linux
+    the kernel sends SIGKILL when the parent goes (prctl PR_SET_PDEATHSIG; torch's agents
+    start workers from their main thread, whose exit is what the kernel watches); elsewhere a
+    thread polls the parent's pid."""
     parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # the parent died before the request took effect
+                os._exit(1)
+            return
 
     def watch() -> None:
         while True:

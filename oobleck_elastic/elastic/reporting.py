@@ -16,7 +16,7 @@ import time
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError
-from oobleck_elastic.monitoring.layout import render_layout
+from oobleck_elastic.monitoring.layout import layout_figure, throughput_figure
 from oobleck_elastic.monitoring.metrics import JsonlSink, MultiSink
 from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
 from oobleck_elastic.planning import TemplateSet, layer_holders
@@ -34,8 +34,10 @@ class RunReport:
 
     def __init__(self, cfg: JobConfig, store: MembershipStore, num_layers: int) -> None:
         self.cfg, self.store, self.num_layers = cfg, store, num_layers
-        self.sink = MultiSink([JsonlSink(cfg.monitoring.metrics_path),
-                               TensorBoardSink(cfg.monitoring.tensorboard_dir)])
+        self.tensorboard = TensorBoardSink(cfg.monitoring.tensorboard_dir)
+        self.sink = MultiSink([JsonlSink(cfg.monitoring.metrics_path), self.tensorboard])
+        self.throughput: list[tuple[int, float]] = []  # (step, samples/s) for the final figure
+        self.changes: list[tuple[int, str]] = []  # (step, what changed) for the final figure
         self.pending_recovery: dict | None = None
         self.last_eval: int | None = None
 
@@ -46,9 +48,10 @@ class RunReport:
         holders = sorted(layer_holders(inst, templates).items(), key=lambda kv: (pipe_of[kv[0].node], kv[1]))
         rows = [(pipe_of[worker.node], worker.node, worker.local_rank, layers) for worker, layers in holders]
         png = os.path.join(self.cfg.monitoring.tensorboard_dir, f"layout_generation_{plan.generation}.png")
-        with open(png, "wb") as f:
-            f.write(render_layout(rows, self.num_layers, f"gen {plan.generation}: {len(inst.pipelines)} "
-                                                         f"pipelines, {len(inst.nodes)} nodes"))
+        figure = layout_figure(rows, self.num_layers, f"generation {plan.generation}: {len(inst.pipelines)} "
+                                                      f"pipelines, {len(inst.nodes)} nodes")
+        figure.savefig(png)
+        self.tensorboard.figure(f"layout/generation_{plan.generation}", figure, plan.start_step)
         self.sink.write({
             "event": "generation", "generation": plan.generation, "start_step": plan.start_step,
             "nodes": list(inst.nodes), "spares": list(inst.spares),
@@ -66,6 +69,7 @@ class RunReport:
                "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
                "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": self.cfg.train.steps}
         self.sink.write(rec)
+        self.throughput.append((stats.step, rec["samples_per_s"]))
         try:  # the launcher's mirror only: a store hiccup here must not fail a committed step
             self.store.set_json("progress", rec)
         except (OobleckError, RuntimeError) as exc:  # torch's store errors are RuntimeErrors
@@ -102,6 +106,8 @@ class RunReport:
         if replay_s is not None:
             rec["phases_s"]["replay"] = replay_s
         self.sink.write(rec)
+        what = [f"{word} {rec[key]}" for word, key in (("lost", "lost"), ("joined", "joined")) if rec[key]]
+        self.changes.append((rec["step"], ", ".join(what) or "replayed"))
         self.store.set_json(f"recovery/{rec['generation']}", rec)
 
     def evaluation(self, step: int, loss: float, tokens: int, *, perplexity: bool, seconds: float) -> None:
@@ -121,14 +127,26 @@ class RunReport:
         self.sink.write(rec)
         self.store.set_json("resumed", rec)
 
+    def _throughput_figure(self, steps: int) -> None:
+        """samples/s over the run with its membership changes, as throughput.png next to the
+        logs and in TensorBoard."""
+        if not self.throughput:
+            return
+        figure = throughput_figure([s for s, _ in self.throughput], [v for _, v in self.throughput], self.changes,
+                                   f"throughput over {len(self.throughput)} steps")
+        figure.savefig(os.path.join(self.cfg.monitoring.tensorboard_dir, "throughput.png"))
+        self.tensorboard.figure("throughput", figure, steps)
+
     def stopped(self, steps: int, directory: str) -> None:
         """The run stopped on request after `steps` steps, with their checkpoint written."""
         self.flush_recovery()
+        self._throughput_figure(steps)
         self.sink.write({"event": "stopped", "steps": steps, "checkpoint_dir": directory, "time": time.time()})
         self.store.set_json("done", {"steps": steps, "stopped": True, "checkpoint_dir": directory})
 
     def final(self, steps: int, sums: list[float], norms: list[float]) -> None:
         self.flush_recovery()
+        self._throughput_figure(steps)
         self.sink.write({"event": "final", "steps": steps, "param_sums": sums, "param_norms": norms})
         self.store.set_json("done", {"steps": steps})
 

@@ -282,8 +282,8 @@ class _Run:
                               workers_per_node=self.env.local_world_size, instantiation=inst,
                               templates=self.templates)
         self.plan = plan
-        if self.fault:
-            self.fault.step = start_step  # the step of faults while it is built (build, transfer)
+        if self.fault and self.fault.step < 0:  # before any step: faults of the build count from the first
+            self.fault.step = start_step
         # Slow is not dead: each replay of a step that failed with every node alive doubles the
         # collective timeout, so a transfer or step slower than elastic.collective_timeout_s
         # gets through (Note: [roll call] in elastic/membership.py).

@@ -1,5 +1,5 @@
-"""TensorBoard sink: scalars per step, the plan as text and the layout as a picture per
-generation (the same PNG is saved next to the logs)."""
+"""TensorBoard sink: scalars per step, the plan as text per generation, and figures the
+reporter draws (the layout of each generation, throughput over the run)."""
 
 from __future__ import annotations
 
@@ -47,17 +47,10 @@ class TensorBoardSink(MetricsSink):
         elif record.get("event") == "generation":
             step = record.get("start_step", 0)
             self.writer.add_text("plan", "    " + record["table"].replace("\n", "\n    "), step)
-            if record.get("layout_png"):
-                self._image(f"layout/generation_{record['generation']}", record["layout_png"], step)
 
-    def _image(self, tag: str, png_path: str, step: int) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        with open(png_path, "rb") as f:
-            data = f.read()
-        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-        image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=data)
-        self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+    def figure(self, tag: str, figure, step: int) -> None:
+        """A matplotlib figure (monitoring/layout.py) as an image under `tag`."""
+        self.writer.add_figure(tag, figure, step, close=False)
 
     def close(self) -> None:
         self.writer.flush()

@@ -17,11 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from oobleck_elastic.planning import WorkerRef
-from oobleck_elastic.runtime.layers import LayerStore
+from oobleck_elastic.runtime.layers import LayerStore, flatten, unflatten
 from oobleck_elastic.runtime.plan import GenerationPlan, StageRole
 
 __all__ = ["Generation", "StageModule"]
@@ -190,7 +189,7 @@ class Generation:
         for group, layer_ids in self.grad_groups:
             grads = [g for i in layer_ids for g in self.layers[i].grads(exclude=self._tied.get(i, ()))]
             if grads:
-                flat = _flatten_dense_tensors(grads)
+                flat = flatten(grads)
                 pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, grads))
         for group, copies in self.tie_groups:
             grads = [self.layers[layer].grad_of(name) for layer, name in copies]
@@ -199,7 +198,7 @@ class Generation:
                          total, grads))
         for work, flat, grads in pending:
             work.wait()
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            for g, synced in zip(grads, unflatten(flat, grads)):
                 g.copy_(synced)
         for work, total, grads in tied:
             if work is not None:

@@ -18,7 +18,18 @@ from torch import nn
 from oobleck_elastic.config import LRScheduleConfig, TrainConfig
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer
 
-__all__ = ["LayerState", "LayerStore", "lr_factor"]
+__all__ = ["LayerState", "LayerStore", "flatten", "lr_factor", "unflatten"]
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous buffer holding `tensors` (same dtype and device) one after another: what
+    a single collective or send moves."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like `like`, in order (the inverse of flatten)."""
+    return [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in like]), like)]
 
 
 def lr_factor(schedule: LRScheduleConfig, step: int, total_steps: int) -> float:

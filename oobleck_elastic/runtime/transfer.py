@@ -18,10 +18,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from oobleck_elastic.planning import Transfer, WorkerRef
-from oobleck_elastic.runtime.layers import LayerStore
+from oobleck_elastic.runtime.layers import LayerStore, flatten, unflatten
 from oobleck_elastic.runtime.plan import GenerationPlan
 
 __all__ = ["run_transfers"]
@@ -49,7 +48,7 @@ def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: Worke
         for index, t in enumerate(transfers):
             if t.src == me:
                 for k, bucket in enumerate(_by_dtype(layers[t.layer].state_tensors())):
-                    flat = _flatten_dense_tensors([b.detach() for b in bucket])
+                    flat = flatten([b.detach() for b in bucket])
                     moved += flat.numel() * flat.element_size()
                     pending.append(dist.isend(flat, dst=plan.rank_of(t.dst), tag=index * _TAGS_PER_TRANSFER + k))
             if t.dst == me:
@@ -64,7 +63,7 @@ def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: Worke
         for work in pending:
             work.wait(timeout)
         for flat, bucket in receiving:
-            for target, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            for target, value in zip(bucket, unflatten(flat, bucket)):
                 target.copy_(value)
     pending.clear()
     return moved
