@@ -45,6 +45,7 @@ from oobleck_elastic.planning import (
     TemplateSet,
     WorkerRef,
     check_instantiation,
+    fresh_layout,
     instantiate,
     layer_holders,
     plan_templates,
@@ -485,22 +486,6 @@ class _Run:
             raise OobleckError(f"step {step} failed {self.retries[step]} times with every node alive, so it is "
                                f"not a node failure: {cause}\nThe last failure, whole:\n{self.last_error or cause}")
 
-    def _layout(self, alive: list[int]) -> Instantiation:
-        """The fastest instantiation on as many of `alive` as the templates cover, with f + 1
-        pipelines where they fit, else one; the nodes left over wait as spares."""
-        train, replicas = self.cfg.train, self.cfg.fault_tolerance + 1
-        error = None
-        for count in range(len(alive), 0, -1):
-            for pipelines in dict.fromkeys((replicas, 1)):
-                try:
-                    inst = instantiate(self.templates, alive[:count], train.global_batch_size, train.microbatch_size,
-                                       min_pipelines=pipelines)
-                except PlanningError as exc:
-                    error = error or exc
-                    continue
-                return dataclasses.replace(inst, spares=tuple(alive[count:]))
-        raise error
-
     def _restart(self, old: GenerationPlan, alive: list[int], dead: list[int], cause: str,
                  phases: dict[str, float], t0: float, fresh: bool = False) -> str | None:
         """More failures than replicas: every survivor restarts from the latest checkpoint. With
@@ -515,7 +500,7 @@ class _Run:
                                    "cannot continue")
             logger.warning("[node %d] layers lost: restoring the checkpoint of step %d", self.me.node, step)
             restored, action = step, f"restored the checkpoint of step {step} on nodes {{nodes}}"
-        inst = self._layout(alive)
+        inst = fresh_layout(self.templates, alive, self.cfg.train.global_batch_size, self.cfg.train.microbatch_size)
         proposal = {"generation": old.generation + 1, "nodes": list(inst.nodes), "start_step": step, "lost": dead,
                     "joined": [], "base": None, "restored_from": restored, "cause": cause,
                     "actions": [action.format(nodes=list(inst.nodes))], "instantiation": to_jsonable(inst)}

@@ -17,6 +17,7 @@ binary search over those values finds the exact optimum of the cost model.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import numpy as np
 from oobleck_elastic.errors import InfeasibleBatchError, PlanningError
 from oobleck_elastic.planning.templates import PipelineTemplate, TemplateSet
 
-__all__ = ["PipelinePlan", "Instantiation", "check_instantiation", "instantiate", "split_batch",
+__all__ = ["PipelinePlan", "Instantiation", "check_instantiation", "fresh_layout", "instantiate", "split_batch",
            "build_instantiation"]
 
 
@@ -311,3 +312,22 @@ def instantiate(template_set: TemplateSet, nodes: Sequence[int], global_batch: i
         assignment.append(node_ids[start:start + t.nodes])
         start += t.nodes
     return build_instantiation(picked, assignment, global_batch, microbatch_size)
+
+
+def fresh_layout(template_set: TemplateSet, nodes: Sequence[int], global_batch: int,
+                 microbatch_size: int) -> Instantiation:
+    """The fastest instantiation on as many of `nodes` as the templates cover, with f + 1
+    pipelines where they fit, else one; the nodes left over wait as spares (a restore, or a
+    first generation started again, on whatever nodes are left)."""
+    node_ids = sorted(nodes)
+    error = None
+    for count in range(len(node_ids), 0, -1):
+        for pipelines in dict.fromkeys((template_set.fault_tolerance + 1, 1)):
+            try:
+                inst = instantiate(template_set, node_ids[:count], global_batch, microbatch_size,
+                                   min_pipelines=pipelines)
+            except PlanningError as exc:
+                error = error or exc
+                continue
+            return dataclasses.replace(inst, spares=tuple(node_ids[count:]))
+    raise error or PlanningError("no live node to lay a generation on")
