@@ -122,7 +122,7 @@ def _recovery_line(rec: dict) -> str:
 def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> None:
     """A node whose agent process exited before the run is done is dead: say so in the store
     at once (faster than its lease expiring)."""
-    from oobleck_elastic.elastic.membership import mark_dead
+    from oobleck_elastic.elastic.protocol import Protocol
 
     if store.try_get_json("done"):
         return
@@ -132,7 +132,7 @@ def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> No
         dead.add(k)
         node = _node_of_pid(store, p.pid)
         if node is not None:
-            mark_dead(store, node, f"agent exited with {p.returncode}")
+            Protocol(store).mark_dead(node, f"agent exited with {p.returncode}")
             print(f"oobleck: node {node} died (agent exit code {p.returncode})", flush=True)
 
 
@@ -180,9 +180,9 @@ class _StopOnSignal:
     def publish(self, store) -> None:
         if self.signal is None or self.sent:
             return
-        from oobleck_elastic.elastic.membership import request_stop
+        from oobleck_elastic.elastic.protocol import Protocol
 
-        request_stop(store, f"the launcher ({self.signal})")
+        Protocol(store).request_stop(f"the launcher ({self.signal})")
         self.sent = True
         print(f"oobleck: {self.signal}: stopping after the current step and writing a checkpoint "
               "(again to kill the nodes now)", file=sys.stderr, flush=True)

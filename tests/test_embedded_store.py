@@ -93,7 +93,7 @@ def test_the_store_host_stays_up_while_other_nodes_train_beyond_its_join_timeout
     import threading
     import time
 
-    from oobleck_elastic.elastic.membership import Heartbeat
+    from oobleck_elastic.elastic.protocol import Heartbeat
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,21 +7,14 @@ from __future__ import annotations
 import threading
 import time
 
-from oobleck_elastic.elastic.membership import (
-    Heartbeat,
-    LeaseWatcher,
-    commit_step,
-    ready_joiners,
-    report_ready,
-    request_stop,
-    roll_call,
-)
+from oobleck_elastic.elastic.protocol import Heartbeat, Protocol
+from oobleck_elastic.elastic.records import Outcome, StepDecision
 from oobleck_elastic.elastic.store import host_store
 
 
 def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_ones():
     store = host_store("127.0.0.1", 0, "rollcall")
-    watcher = LeaseWatcher(store, timeout=30.0)  # the lease timeout itself never fires here
+    protocol = Protocol(store, lease_timeout=30.0)  # the lease timeout itself never fires here
     beating = Heartbeat(store, 3, interval=0.1)
     try:
         store.set_json("rollcall/0/1/0", True)  # node 1's worker is already in
@@ -32,7 +25,7 @@ def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_one
 
         threading.Thread(target=late_check_in, daemon=True).start()
         start = time.monotonic()
-        alive, dead = roll_call(store, 0, (0, 0), [0, 1, 2, 3], 1, watcher, timeout=60.0, suspect_after=0.5)
+        alive, dead = protocol.roll_call(0, (0, 0), [0, 1, 2, 3], 1, timeout=60.0, suspect_after=0.5)
         took = time.monotonic() - start
     finally:
         beating.stop()
@@ -47,12 +40,12 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
     for node in range(6):
         store.register_node({"host": "h"})
     for node in (3, 4, 5):
-        report_ready(store, node, 1)
+        Protocol(store).report_ready(node, 1)
     store.set_json("nodes/4/dead", {"why": "test"})
-    assert ready_joiners(store, [0, 1, 2]) == [3, 5], "no limit: every ready, live node"
-    assert ready_joiners(store, [0, 1, 2], max_nodes=4) == [3], "room for one more"
-    assert ready_joiners(store, [0, 1, 2, 3], max_nodes=4) == [], "full: node 5 waits, ready"
-    assert ready_joiners(store, [0, 3], max_nodes=4) == [5], "a member lost makes room"
+    assert Protocol(store).ready_joiners([0, 1, 2]) == [3, 5], "no limit: every ready, live node"
+    assert Protocol(store).ready_joiners([0, 1, 2], max_nodes=4) == [3], "room for one more"
+    assert Protocol(store).ready_joiners([0, 1, 2, 3], max_nodes=4) == [], "full: node 5 waits, ready"
+    assert Protocol(store).ready_joiners([0, 3], max_nodes=4) == [5], "a member lost makes room"
 
 
 def test_a_joining_node_is_ready_when_all_its_workers_are():
@@ -61,10 +54,10 @@ def test_a_joining_node_is_ready_when_all_its_workers_are():
     store = host_store("127.0.0.1", 0, "readyall")
     for node in range(2):
         store.register_node({"host": "h"})
-    report_ready(store, 1, 2)
-    assert ready_joiners(store, [0]) == []
-    report_ready(store, 1, 2)
-    assert ready_joiners(store, [0]) == [1]
+    Protocol(store).report_ready(1, 2)
+    assert Protocol(store).ready_joiners([0]) == []
+    Protocol(store).report_ready(1, 2)
+    assert Protocol(store).ready_joiners([0]) == [1]
 
 
 def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
@@ -73,13 +66,13 @@ def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
     store = host_store("127.0.0.1", 0, "deadjoiner")
     for node in range(3):
         store.register_node({"host": "h"})
-        report_ready(store, node, 1)
+        Protocol(store).report_ready(node, 1)
     beating = Heartbeat(store, 2, interval=0.05)
-    watcher = LeaseWatcher(store, timeout=0.5)
+    watcher = Protocol(store, lease_timeout=0.5)
     try:
-        assert ready_joiners(store, [0], watcher=watcher) == [1, 2], "first sight: not yet dead"
+        assert watcher.ready_joiners([0]) == [1, 2], "first sight: not yet dead"
         deadline = time.monotonic() + 10
-        while ready_joiners(store, [0], watcher=watcher) != [2]:
+        while watcher.ready_joiners([0]) != [2]:
             assert time.monotonic() < deadline, "node 1's lease never counted as stopped"
             time.sleep(0.05)
     finally:
@@ -88,10 +81,10 @@ def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
 
 def test_a_commit_removes_the_previous_steps_keys():
     store = host_store("127.0.0.1", 0, "commits")
-    watcher = LeaseWatcher(store, timeout=30.0)
+    protocol = Protocol(store, lease_timeout=30.0)
     for step in range(3):
-        assert commit_step(store, 0, step, 1, [0], watcher, timeout=10.0) == ([], False)
-    assert store.try_get_json("gen0/step2/decision") == {"outcome": "commit", "join": [], "stop": False}
+        assert protocol.commit_step(0, step, 1, [0], timeout=10.0) == StepDecision(Outcome.COMMIT)
+    assert store.try_get_json("gen0/step2/decision") == {"version": 1, "outcome": "commit", "join": [], "stop": False}
     for step in (0, 1):
         assert store.try_get_json(f"gen0/step{step}/decision") is None
         assert store.add(f"gen0/step{step}/ready", 0) == 0
@@ -101,14 +94,14 @@ def test_a_stop_request_is_carried_by_the_next_commit():
     """A stop asked for while a step is computed ends the run after that step, for everyone at
     once (the decision carries it), and no joiner is admitted at that boundary."""
     store = host_store("127.0.0.1", 0, "stops")
-    watcher = LeaseWatcher(store, timeout=30.0)
+    protocol = Protocol(store, lease_timeout=30.0)
     store.add("nodes/next", 2)
-    report_ready(store, 1, 1)  # node 1 is ready to join
+    Protocol(store).report_ready(1, 1)  # node 1 is ready to join
     store.add("gen0/step0/ready", 1)  # the other worker of the step is ready already
-    assert commit_step(store, 0, 0, 2, [0], watcher, timeout=10.0) == ([1], False)
+    assert protocol.commit_step(0, 0, 2, [0], timeout=10.0) == StepDecision(Outcome.COMMIT, (1,))
     store.add("gen0/step1/ready", 1)
-    request_stop(store, "test")
-    assert commit_step(store, 0, 1, 2, [0], watcher, timeout=10.0) == ([], True)
+    protocol.request_stop("test")
+    assert protocol.commit_step(0, 1, 2, [0], timeout=10.0) == StepDecision(Outcome.COMMIT, (), stop=True)
 
 
 def test_a_node_started_with_another_job_is_refused_naming_the_keys():
@@ -116,18 +109,17 @@ def test_a_node_started_with_another_job_is_refused_naming_the_keys():
     import pytest
 
     from oobleck_elastic.config import load_config
-    from oobleck_elastic.elastic.membership import check_same_job
-    from oobleck_elastic.elastic.worker import _Run
+    from oobleck_elastic.elastic.job import job_description
     from oobleck_elastic.errors import OobleckError
+    from runtime_harness import model_and_data
 
     def job(sets):
-        run = _Run.__new__(_Run)
-        run.cfg, run.model, run.fingerprint = load_config(None, sets), type("M", (), {"name": "m"}), "f00d"
-        return run._job()
+        return job_description(load_config(None, sets), model_and_data("gpt")[0])
 
     store = host_store("127.0.0.1", 0, "samejob")
-    check_same_job(store, job(["train.seed=3"]))
-    check_same_job(store, job(["train.seed=3", "planner.profile_dir=/elsewhere"]))  # a local path may differ
+    check_same_job = Protocol(store).check_same_job
+    check_same_job(job(["train.seed=3"]))
+    check_same_job(job(["train.seed=3", "planner.profile_dir=/elsewhere"]))  # a local path may differ
     with pytest.raises(OobleckError, match=r"train.global_batch_size = 64 here, 32 in the run; "
                                            r"train.seed = 0 here, 3 in the run"):
-        check_same_job(store, job(["train.global_batch_size=64"]))
+        check_same_job(job(["train.global_batch_size=64"]))

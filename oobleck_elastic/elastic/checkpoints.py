@@ -6,12 +6,12 @@ files themselves are runtime/checkpoint.py's (Note: [checkpoint manifest])."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.records import GenerationRecord, Resumed
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.checkpoint import (
     BackgroundWriter,
@@ -27,47 +27,56 @@ from oobleck_elastic.runtime.layers import LayerStore
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
 
-__all__ = ["RunCheckpoints"]
+__all__ = ["Resume", "RunCheckpoints"]
 
 logger = logging.getLogger(__name__)
 
 WRITE_TIMEOUT_S = 600.0  # longest wait for the previous checkpoint's write
 
 
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """The checkpoint a job's first generation continues from, and how its record says so."""
+
+    step: int
+    origin: Resumed
+    cause: str
+    action: str
+
+
 class RunCheckpoints:
     """One worker's part in its run's checkpoints."""
 
     def __init__(self, model: ModelSpec, cfg: JobConfig, run_id: str, samples: int, name: str,
-                 store: MembershipStore, fault=None) -> None:
+                 protocol: Protocol, fault=None) -> None:
         self.cfg, self.steps, self.model = cfg.checkpoint, cfg.train.steps, model
-        self.store, self.fault, self.name, self.run_id = store, fault, name, run_id
+        self.protocol, self.fault, self.name, self.run_id = protocol, fault, name, run_id
         self.ident = checkpoint_id(run_id, model, cfg, samples)
         self.saved_step: int | None = None  # the step of the last checkpoint written or restored
         self.writer = BackgroundWriter(name)
 
-    def resume_record(self) -> dict[str, Any] | None:
-        """What generation 0 adds to resume (checkpoint.resume), or None to start afresh. A
-        checkpoint that cannot be resumed is published as `start_error`, so that every worker
-        fails with the same line, and raised."""
+    def resume(self) -> Resume | None:
+        """The checkpoint generation 0 resumes from (checkpoint.resume), or None to start
+        afresh. A checkpoint that cannot be resumed is published as the run's start error, so
+        that every worker fails with the same line, and raised."""
         ck = self.cfg
         try:
             found = None if ck.resume == "never" else find_resume(ck.dir, self.ident, load_step=ck.load_step,
                                                                     max_step=self.steps)
         except OobleckError as exc:
-            self.store.set_json("start_error", {"error": str(exc)})
+            self.protocol.refuse_start(str(exc))
             raise
         if found is None:
             return None
         step, manifest = found
         remove_partials(ck.dir, manifest["run_id"])  # what the stopped run left half-written
-        return {"start_step": step, "restored_from": step, "cause": f"resumed from step {step}",
-                "resumed": {"run_id": manifest["run_id"], "step": step},
-                "actions": [f"resumed from the checkpoint of step {step} (run {manifest['run_id']}) in {ck.dir}"]}
+        return Resume(step=step, origin=Resumed(manifest["run_id"], step), cause=f"resumed from step {step}",
+                      action=f"resumed from the checkpoint of step {step} (run {manifest['run_id']}) in {ck.dir}")
 
-    def note_first(self, first: Mapping[str, Any]) -> None:
+    def note_first(self, first: GenerationRecord | None) -> None:
         """A resumed run may fall back to the checkpoint it resumed from, though another run wrote it."""
-        if first.get("resumed"):
-            self.ident = dataclasses.replace(self.ident, resumed=(first["resumed"]["run_id"], first["resumed"]["step"]))
+        if first is not None and first.resumed is not None:
+            self.ident = dataclasses.replace(self.ident, resumed=(first.resumed.run_id, first.resumed.step))
 
     def fallback_step(self) -> int | None:
         """The newest intact checkpoint of this run (or the one it resumed from), or None."""
@@ -87,13 +96,12 @@ class RunCheckpoints:
         if done == self.saved_step:
             return
         states = {i: host_copy(layers[i]) for i, r in plan.layer_owner.items() if r == rank}
-        counter = f"gen{plan.generation}/checkpoint{done}"
 
         def write() -> None:
             written = save_layers(ck.dir, done, states, self.run_id)
             if self.fault:
                 self.fault("checkpoint", step=done)
-            if self.store.add(counter, written) == self.model.num_layers:
+            if self.protocol.checkpoint_written(plan.generation, done, written) == self.model.num_layers:
                 mark_complete(ck.dir, done, self.ident, self.model.export, keep=ck.keep)
             self.saved_step = done
 

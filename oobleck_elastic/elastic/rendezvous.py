@@ -33,7 +33,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-from oobleck_elastic.elastic.membership import Heartbeat, LeaseWatcher, mark_dead
+from oobleck_elastic.elastic.protocol import Heartbeat, Protocol
+from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreAddressInUse, StoreUnreachable
 from oobleck_elastic.errors import ConfigError
 
@@ -86,7 +87,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             # torch's agent restarts this node's workers (one of them exited, and it stopped
             # the others): the run has lost them. Say so at once, so the survivors need not
             # wait for a lease, and come back as a new node that joins like any other.
-            mark_dead(self.store, self.node, "its agent restarted its workers")
+            Protocol(self.store).mark_dead(self.node, "its agent restarted its workers")
             self._heartbeat.stop()
             logger.warning("[node %d] workers restarted: rejoining the run as a new node", self.node)
         self.node = self.store.register_node({"host": socket.gethostname(), "pid": os.getpid(),
@@ -99,7 +100,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         """A node started with other `--nnodes` than the run's belongs to another job (two jobs
         on one endpoint with torchrun's default id `none`, say): it is refused before it
         registers. Nodes of jobs that differ in their config are refused by their workers
-        (membership.check_same_job)."""
+        (Protocol.check_same_job)."""
         run = self.store.try_get_json("limits")
         if run is not None and (run["min_nodes"], run["max_nodes"]) != (self.min_nodes, self.max_nodes):
             raise RendezvousError(
@@ -120,11 +121,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
                         "start the other nodes with the same --rdzv-endpoint and --rdzv-id")
                 time.sleep(0.05)
             self.store.create_json("limits", {"min_nodes": self.min_nodes, "max_nodes": self.max_nodes})
-            self.store.create_json("generation", {"generation": 0, "nodes": list(range(self.min_nodes)),
-                                                  "start_step": 0})
+            self.store.create_json("generation", GenerationRecord(generation=0,
+                                                                  nodes=tuple(range(self.min_nodes))).to_json())
         if node not in self.store.get_json("generation", self.timeout)["nodes"]:
             # Its workers start at once, get ready (profile, templates) and are admitted at a
-            # step boundary (membership.ready_joiners).
+            # step boundary (Protocol.ready_joiners).
             logger.info("[node %d] joining the running job", node)
         os.environ.update(OOBLECK_STORE=self.store.url, OOBLECK_RUN_ID=self.store.run_id,
                           OOBLECK_NODE_ID=str(node))
@@ -157,7 +158,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self.store.set_timeout(10.0)  # leaving is best effort: never block for long
         try:
             if self.store.try_get_json("done") is None:
-                mark_dead(self.store, self.node, "its agent stopped before the run finished")
+                Protocol(self.store).mark_dead(self.node, "its agent stopped before the run finished")
             self.store.set_json(f"nodes/{self.node}/left", True)
             if self.hosting:
                 self._wait_for_others_to_leave()
@@ -172,7 +173,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         own workers stopped (fenced, say) must not take it from nodes that still train. So
         there is no deadline while a lease moves; a node that stops renewing its lease is
         given up on after a few heartbeats."""
-        watcher = LeaseWatcher(self.store, max(2.0, 4 * self.heartbeat_interval))
+        watcher = Protocol(self.store, max(2.0, 4 * self.heartbeat_interval))
         logged = False
         while True:
             nodes = range(self.store.add("nodes/next", 0))

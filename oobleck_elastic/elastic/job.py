@@ -1,0 +1,82 @@
+"""What a worker knows of its job before the first generation: the description every node
+must share (so a node started with another model or config is refused), the profile every
+worker plans from (measured once, by the first worker of the first node, and published in the
+store), and the pipeline templates planned from it (the same on every worker)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+
+from oobleck_elastic.config import JobConfig
+from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.planning import ModelProfile, TemplateSet, plan_templates
+from oobleck_elastic.planning.job import make_cluster
+from oobleck_elastic.planning.values import from_jsonable, to_jsonable
+from oobleck_elastic.runtime.checkpoint import plain
+from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
+from oobleck_elastic.runtime.profiler import load_or_profile
+
+__all__ = ["WorkerIdentity", "WorkerLog", "job_description", "plan_run"]
+
+LOCAL_KEYS = ("planner.profile_dir", "planner.profile_iterations", "checkpoint.dir")
+"""A machine's own paths and its profiling effort may differ between nodes."""
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Who a worker is: its run, node, local rank, and its node's worker count."""
+
+    run_id: str
+    node: int
+    local_rank: int
+    local_world_size: int
+
+
+class WorkerLog(logging.LoggerAdapter):
+    """A worker's logger: every line says who speaks, `[run | gen g | node n | rank r]` (torchft's
+    style), so one node's log reads alone. `generation()`: the current one, None before the first."""
+
+    def __init__(self, logger: logging.Logger, who: WorkerIdentity, generation: Callable[[], int | None]) -> None:
+        super().__init__(logger, {})
+        self.who, self.generation = who, generation
+
+    def process(self, msg: object, kwargs: MutableMapping) -> tuple[str, MutableMapping]:
+        g = self.generation()
+        who = self.who
+        return f"[{who.run_id} | gen {'-' if g is None else g} | node {who.node} | rank {who.local_rank}] {msg}", kwargs
+
+
+def _flatten(prefix: str, value: object) -> dict[str, object]:
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in _flatten(f"{prefix}.{key}", sub).items()}
+    return {prefix: value}
+
+
+def job_description(cfg: JobConfig, model: ModelSpec) -> dict[str, object]:
+    """What every node of the run must agree on (flat dotted keys, JSON values)."""
+    fingerprint = model_fingerprint(model, DTYPES[cfg.train.dtype])
+    flat: dict[str, object] = {"model.fingerprint": f"{model.name}:{fingerprint}",
+                               "fault_tolerance": cfg.fault_tolerance}
+    for name in ("train", "data", "planner", "checkpoint", "eval"):
+        flat.update(_flatten(name, plain(getattr(cfg, name))))
+    for local in LOCAL_KEYS:
+        del flat[local]
+    return flat
+
+
+def plan_run(protocol: Protocol, who: WorkerIdentity, first_nodes: Sequence[int], model: ModelSpec, cfg: JobConfig) -> TemplateSet:
+    """The run's pipeline templates, planned for the first generation's node count from the
+    profile the first node's first worker measures and publishes."""
+    if who.node == min(first_nodes) and who.local_rank == 0:
+        profile, _ = load_or_profile(model, directory=cfg.planner.profile_dir,
+                                     microbatch_size=cfg.train.microbatch_size, dtype=cfg.train.dtype,
+                                     seed=cfg.train.seed, iterations=cfg.planner.profile_iterations,
+                                     optimizer=cfg.train.optimizer)
+        protocol.publish_profile(to_jsonable(profile))
+    else:
+        profile = from_jsonable(ModelProfile, protocol.profile(cfg.elastic.join_timeout_s))
+    cluster = make_cluster(cfg.planner, profile, who.local_world_size)
+    return plan_templates(profile, cluster, max_nodes=len(first_nodes), fault_tolerance=cfg.fault_tolerance,
+                          total_microbatches=cfg.train.num_microbatches, virtual_stages=cfg.train.stages_per_worker)

@@ -1,0 +1,343 @@
+"""The run's protocol on the membership store: the only module that knows its keys and calls
+(propose, fence, commit, decide, roll call, join, leases). Every wait goes through
+`wait_until`, with a deadline, the store's poll interval and an error naming what was awaited.
+Values are elastic/records.py's.
+
+Note: [step transaction]
+    Step k of generation g is committed when every member worker has finished its collectives
+    for it: each adds 1 to `gen<g>/step<k>/ready`; the one that brings it to the world size
+    writes `gen<g>/step<k>/decision` = commit with compare-and-set, with the node ids of
+    joiners that are ready (everyone then grows the job at the same step boundary), or with
+    `stop` when a stop was requested (`request_stop`: everyone then writes the final checkpoint
+    after this step and exits; Note: [stop on request] in elastic/agent.py). A worker that
+    fails, or that sees a member dead while waiting, writes abort with the same compare-and-set,
+    so a late commit cannot race an abort: exactly one decision exists. Committed: every
+    survivor applies its optimizer step (local work, nothing can fail remotely). Aborted:
+    gradients are dropped everywhere and the step is replayed with the same samples in
+    generation g+1. The worker whose commit wins deletes the keys of step k-1, which everyone
+    has read by then.
+
+Note: [roll call]
+    After a failure every surviving worker checks in under `rollcall/<g>/<node>/<rank>`. The
+    roll call is complete when every member node of g has all its workers checked in or is
+    known dead (marked dead by its launcher or its agent, or its heartbeat lease stood still
+    for `elastic.rollcall_window_s`: a failure is known by then, so a silent agent is not given
+    the whole lease timeout), or at `elastic.agreement_timeout_s`. The heartbeat runs in the
+    agent, not in the workers, so a live node whose workers are slow to notice the failure
+    keeps its lease moving and is waited for. Every survivor then proposes generation g+1
+    (Note: [next generation] in planning/recovery.py) with compare-and-set on
+    `generation/<g+1>`; everyone adopts whatever won, and a worker whose node is not in it is
+    fenced and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from oobleck_elastic.elastic.records import DeadMark, GenerationRecord, Outcome, StepDecision
+from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.errors import OobleckError
+
+__all__ = ["Fenced", "Heartbeat", "Protocol", "StepAborted", "WaitTimeout", "wait_until"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+LIVENESS_CHECK_S = 0.05  # how often a commit wait looks for dead members (store round trips)
+
+
+class StepAborted(Exception):
+    """The step was aborted by another worker (a member failed before the commit)."""
+
+
+class Fenced(OobleckError):
+    """This worker is not part of the generation that won: it must stop without touching the
+    run's state (its node was taken for dead, or it is behind the others)."""
+
+
+class WaitTimeout(OobleckError):
+    """Something awaited on the store did not happen in time."""
+
+
+def wait_until(what: str, check: Callable[[], T | None], timeout: float, poll_s: float, *,
+               clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> T:
+    """The first value of `check()` that is not None (or False), polled every `poll_s` seconds
+    until `timeout`; then WaitTimeout naming `what` (say what should have happened)."""
+    deadline = clock() + timeout
+    while True:
+        value = check()
+        if value is not None and value is not False:
+            return value
+        if clock() > deadline:
+            raise WaitTimeout(f"timed out after {timeout:.0f} s waiting for {what}")
+        sleep(poll_s)
+
+
+class Protocol:
+    """One worker's (or agent's) side of the run's protocol on `store`. `lease_timeout`: how
+    long a lease may stand still before its node is dead. `clock`/`sleep` are injectable so
+    the protocol runs on a fake store and a fake clock in tests."""
+
+    def __init__(self, store: MembershipStore, lease_timeout: float = 30.0, *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.store, self.lease_timeout = store, lease_timeout
+        self.clock, self.sleep, self.wall = clock, sleep, wall
+        self._seen: dict[int, tuple[int, float]] = {}  # node -> (lease count, when it last moved)
+
+    def wait(self, what: str, check: Callable[[], T | None], timeout: float) -> T:
+        return wait_until(what, check, timeout, self.store.poll_s, clock=self.clock, sleep=self.sleep)
+
+    # --- the job ------------------------------------------------------------------------------
+
+    def check_same_job(self, job: dict[str, object]) -> None:
+        """Every node must train the same job: the first to get here publishes its description
+        (a flat {dotted key: value} of the model's fingerprint and the config that shapes
+        training and plans); anyone else whose description differs is refused, naming the keys."""
+        self.store.create_json("job", job)
+        run = self.store.get_json("job", 10.0)
+        differ = sorted(k for k in set(run) | set(job) if run.get(k) != job.get(k))
+        if differ:
+            shown = "; ".join(f"{k} = {job.get(k)!r} here, {run.get(k)!r} in the run" for k in differ[:5])
+            more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+            raise OobleckError(f"this node was started with another job than the run it joins: {shown}{more}. "
+                               "Start every node with the same model and config, or give this job its own --rdzv-id")
+
+    def max_nodes(self) -> int | None:
+        """The job's limit on nodes (torchrun's --nnodes=MIN:MAX), written before generation 0."""
+        return (self.store.try_get_json("limits") or {}).get("max_nodes")
+
+    def publish_profile(self, profile: object) -> None:
+        self.store.set_json("profile", profile)
+
+    def profile(self, timeout: float) -> object:
+        return self.store.get_json("profile", timeout)
+
+    def finished(self) -> bool:
+        return self.store.try_get_json("done") is not None
+
+    # --- generations --------------------------------------------------------------------------
+
+    def pointer(self, timeout: float) -> GenerationRecord:
+        """The `generation` pointer: the rendezvous's bare record until the first change."""
+        return GenerationRecord.from_json(self.store.get_json("generation", timeout))
+
+    def record(self, generation: int, timeout: float = 10.0) -> GenerationRecord:
+        return GenerationRecord.from_json(self.store.get_json(f"generation/{generation}", timeout))
+
+    def try_record(self, generation: int) -> GenerationRecord | None:
+        data = self.store.try_get_json(f"generation/{generation}")
+        return None if data is None else GenerationRecord.from_json(data)
+
+    def current(self, timeout: float) -> GenerationRecord:
+        """The newest generation record. The pointer is a hint that may lag (it is written after
+        each compare-and-set, not with it), so the records after it are looked for."""
+        record = self.pointer(timeout)
+        while (newer := self.try_record(record.generation + 1)) is not None:
+            record = newer
+        return record
+
+    def propose(self, record: GenerationRecord, timeout: float) -> GenerationRecord:
+        """Writes generation/<g> if nobody has (compare-and-set) and returns the record that won.
+        The pointer only moves forward: a stale proposer that lost never rolls it back."""
+        g = record.generation
+        self.store.create_json(f"generation/{g}", record.to_json())
+        won = self.store.get_json(f"generation/{g}", timeout)
+        if self.store.try_get_json(f"generation/{g + 1}") is None:
+            self.store.set_json("generation", won)
+        return GenerationRecord.from_json(won)
+
+    def publish_first(self, record: GenerationRecord) -> None:
+        """Generation 0, planned, by the first node's first worker (the pointer stays the
+        rendezvous's bare record until the first change: that is how a joiner knows it joins)."""
+        self.store.create_json("generation/0", record.to_json())
+
+    def refuse_start(self, error: str) -> None:
+        """Generation 0 cannot be written (its checkpoint cannot be resumed): every worker fails
+        with the same line."""
+        self.store.set_json("start_error", {"error": error})
+
+    def first(self, timeout: float) -> GenerationRecord:
+        """Generation 0 as the first node's first worker wrote it."""
+        def check() -> GenerationRecord | None:
+            if (failed := self.store.try_get_json("start_error")) is not None:
+                raise OobleckError(failed["error"])
+            return self.try_record(0)
+        return self.wait("generation 0 (the first node's first worker writes it; elastic.join_timeout_s)",
+                         check, timeout)
+
+    def built(self, generation: int, workers: int, nodes: Iterable[int], timeout: float) -> None:
+        """Counts this worker built into `generation` and waits for all `workers` to be; a member
+        dying meanwhile aborts the build (StepAborted)."""
+        key = f"gen{generation}/built"
+        self.store.add(key, 1)
+        nodes = list(nodes)
+
+        def check() -> bool:
+            if self.dead(nodes):
+                raise StepAborted(f"a member of generation {generation} died while it was built")
+            return self.store.add(key, 0) >= workers
+        try:
+            self.wait(f"every member of generation {generation} to build it", check, timeout)
+        except WaitTimeout as exc:
+            raise StepAborted(str(exc)) from exc
+
+    def complete(self, generation: int, workers: int) -> bool:
+        """Whether all `workers` of `generation` finished building it."""
+        return self.store.add(f"gen{generation}/built", 0) >= workers
+
+    # --- steps --------------------------------------------------------------------------------
+
+    def request_stop(self, by: str) -> None:
+        """Asks the run to stop after the step being computed (the next commit carries it)."""
+        self.store.set_json("stop", {"by": by, "at": self.wall()})
+
+    def commit_step(self, generation: int, step: int, world_size: int, members: Iterable[int], timeout: float,
+                    max_nodes: int | None = None) -> StepDecision:
+        """Reports this worker ready for `step` and waits for the decision (Note: [step
+        transaction]); raises StepAborted if the step was aborted."""
+        key = f"gen{generation}/step{step}"
+        members = list(members)
+        if self.store.add(f"{key}/ready", 1) == world_size:
+            # a stop requested before any worker reported ready is seen here (it was written first)
+            stop = self.store.try_get_json("stop") is not None
+            joiners = () if stop else tuple(self.ready_joiners(members, max_nodes))
+            if self.store.create_json(f"{key}/decision", StepDecision(Outcome.COMMIT, joiners, stop).to_json()):
+                # Everyone reported ready for this step, so everyone has read the previous
+                # step's decision: its keys can go (a long run would otherwise pile up two a step).
+                for name in ("ready", "decision"):
+                    self.store.delete(f"gen{generation}/step{step - 1}/{name}")
+        deadline = self.clock() + timeout
+        next_check = self.clock() + LIVENESS_CHECK_S
+
+        def check() -> StepDecision | None:
+            nonlocal next_check
+            if (decision := self.store.try_get_json(f"{key}/decision")) is not None:
+                return StepDecision.from_json(decision)
+            now = self.clock()
+            if now > deadline or (now > next_check and (
+                    self.store.try_get_json(f"rollcall/{generation}/started") or self.dead(members))):
+                return self.decide_abort(generation, step)
+            if now > next_check:
+                next_check = now + LIVENESS_CHECK_S
+            return None
+        decision = self.wait(f"the decision on step {step} of generation {generation}", check, timeout + 10.0)
+        if decision.outcome is not Outcome.COMMIT:
+            raise StepAborted(f"step {step} of generation {generation} was aborted")
+        return decision
+
+    def decide_abort(self, generation: int, step: int) -> StepDecision:
+        """Aborts the step unless it is already committed; returns the decision that stands."""
+        key = f"gen{generation}/step{step}/decision"
+        self.store.create_json(key, StepDecision(Outcome.ABORT).to_json())
+        return StepDecision.from_json(self.store.get_json(key, 10.0))
+
+    def checkpoint_written(self, generation: int, step: int, layers: int) -> int:
+        """Counts `layers` more layers of the checkpoint after `step` written; returns the total."""
+        return self.store.add(f"gen{generation}/checkpoint{step}", layers)
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def report_ready(self, node: int, workers: int) -> None:
+        """One worker of a joining node is ready (profiled, planned): the node is ready once all
+        `workers` of it are, not when its first one is."""
+        self.store.set_json(f"nodes/{node}/workers", workers)
+        self.store.add(f"nodes/{node}/ready", 1)
+
+    def ready_joiners(self, members: Iterable[int], max_nodes: int | None = None) -> list[int]:
+        """Registered nodes, not members and not dead, whose workers are all ready, the oldest
+        first and no more than `max_nodes` leaves room for: the others wait, ready, until a
+        member is lost."""
+        members = set(members)
+        ready = [n for n in range(self.store.add("nodes/next", 0))
+                 if n not in members and self._is_ready(n) and not self.dead([n])]
+        return ready if max_nodes is None else ready[:max(0, max_nodes - len(members))]
+
+    def _is_ready(self, node: int) -> bool:
+        workers = self.store.try_get_json(f"nodes/{node}/workers")
+        return workers is not None and self.store.add(f"nodes/{node}/ready", 0) >= workers
+
+    def mark_dead(self, node: int, why: str) -> None:
+        self.store.set_json(f"nodes/{node}/dead", DeadMark(why, self.wall()).to_json())
+
+    def roll_call(self, generation: int, me: tuple[int, int], members: list[int], workers_per_node: int,
+                  timeout: float, suspect_after: float) -> tuple[list[int], list[int]]:
+        """Checks in and waits for the roll call (Note: [roll call]); returns (alive, dead) nodes.
+        A failure is known here, so a member that has not checked in is dead as soon as its
+        lease has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease
+        timeout. The dead are marked so (a node that joined once and died is never admitted)."""
+        self.store.set_json(f"rollcall/{generation}/started", True)
+        self.store.set_json(f"rollcall/{generation}/{me[0]}/{me[1]}", True)
+        deadline = self.clock() + timeout
+        while True:
+            present = {n for n in members if all(self.store.try_get_json(f"rollcall/{generation}/{n}/{w}")
+                                                 for w in range(workers_per_node))}
+            dead = self.dead(set(members) - present, timeout=suspect_after)
+            if present | dead == set(members) or self.clock() > deadline:
+                absent = sorted(set(members) - present)
+                for node in absent:
+                    if self.store.try_get_json(f"nodes/{node}/dead") is None:
+                        self.mark_dead(node, f"missed the roll call of generation {generation}")
+                return sorted(present), absent
+            self.sleep(max(0.005, self.store.poll_s))
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    def dead(self, nodes: Iterable[int], timeout: float | None = None) -> set[int]:
+        """The nodes marked dead or whose lease stood still for `timeout` (default: the lease
+        timeout; shorter where a failure is already known)."""
+        timeout = self.lease_timeout if timeout is None else timeout
+        now, out = self.clock(), set()
+        for node in nodes:
+            if self.store.try_get_json(f"nodes/{node}/dead") is not None:
+                out.add(node)
+                continue
+            beat = self.store.add(f"lease/{node}", 0)
+            last = self._seen.get(node)
+            if last is None or last[0] != beat:
+                self._seen[node] = (beat, now)
+            elif now - last[1] > timeout:
+                out.add(node)
+        return out
+
+    def failed_at(self, node: int) -> float | None:
+        """Wall time of the first sign of `node`'s failure: a fault injector's record of the
+        kill, else when it was marked dead, else its last observed lease renewal."""
+        for key in (f"faults/{node}", f"nodes/{node}/dead"):
+            if (record := self.store.try_get_json(key)) is not None:
+                return record.get("time", record.get("at"))
+        if node in self._seen:
+            return self.wall() - (self.clock() - self._seen[node][1])
+        return None
+
+    def renew_lease(self, node: int) -> None:
+        self.store.add(f"lease/{node}", 1)
+
+
+class Heartbeat:
+    """An agent's lease: renewed every `interval` seconds by a daemon thread."""
+
+    def __init__(self, store: MembershipStore, node: int, interval: float) -> None:
+        self.protocol, self.node, self.interval = Protocol(store), node, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"oobleck-heartbeat-{node}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.interval):
+            try:
+                self.protocol.renew_lease(self.node)
+                failures = 0
+            except Exception as exc:  # a store hiccup must not end the lease: try again next beat
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning("[node %d] lease renewal failed (%d in a row): %s", self.node, failures,
+                                   str(exc).splitlines()[0][:160])
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,394 @@
+"""The executor of one worker's run: carries out what the controller (elastic/controller.py)
+decides (join, build a generation, train a step, evaluate, recover, grow, finish) and reports
+each outcome back as an event.
+
+The failure path reads in three files: detection and agreement are elastic/protocol.py's
+(Note: [step transaction], Note: [roll call]), the next layout is planning/recovery.py's
+(Note: [next generation]), and the repair (tear down, adopt the record that won, move layers)
+is here. Every generation record carries its instantiation and its `base`: the last generation
+every member finished building. So all workers derive the same transfers, and a generation
+whose build failed part-way is skipped: the next one is planned from its base again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+import traceback
+
+from oobleck_elastic.config import JobConfig
+from oobleck_elastic.elastic.checkpoints import RunCheckpoints
+from oobleck_elastic.elastic.controller import (
+    Admitted, Build, BuildFailed, Built, Controller, EvalDone, Evaluate, Exit, FencedOut, Finish, Finished, Grow, Join,
+    Proposed, Recover, RunOver, Started, StepDone, StepFailed, Train,
+)
+from oobleck_elastic.elastic.job import WorkerIdentity, WorkerLog, job_description, plan_run
+from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted
+from oobleck_elastic.elastic.records import GenerationRecord, Outcome
+from oobleck_elastic.elastic.reporting import RunReport
+from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.planning import WorkerRef, instantiate, layer_holders
+from oobleck_elastic.planning.recovery import Base, NextLayout, NoCheckpointError, plan_next, transfers_between
+from oobleck_elastic.runtime.model import ModelSpec
+from oobleck_elastic.runtime.plan import GenerationPlan
+from oobleck_elastic.runtime.trainer import Dataset, Trainer
+
+__all__ = ["Run"]
+
+logger = logging.getLogger(__name__)
+
+STEP_ERRORS = (RuntimeError, StepAborted)  # gloo errors are RuntimeErrors
+
+
+def _cause(exc: BaseException, during: str = "") -> tuple[str, str]:
+    """(one line, the whole error as text): text holds no frame, so nothing of a dead
+    generation stays referenced by it."""
+    line = f"{type(exc).__name__}{during}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return line, "".join(traceback.format_exception(exc))
+
+
+class Run:
+    """One worker's run across generations."""
+
+    def __init__(self, model: ModelSpec, dataset: Dataset, cfg: JobConfig, who: WorkerIdentity,
+                 store: MembershipStore, fault=None, eval_dataset: Dataset | None = None) -> None:
+        self.model, self.cfg, self.who, self.store, self.fault = model, cfg, who, store, fault
+        self.log = WorkerLog(logger, who, lambda: self.plan.generation if self.plan else None)
+        self.me = WorkerRef(who.node, who.local_rank)
+        self.protocol = Protocol(store, cfg.elastic.lease_timeout_s)
+        self.controller = Controller(cfg.train.steps, cfg.eval.interval)
+        self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
+                               fault=fault, eval_dataset=eval_dataset)
+        self.checkpoints = RunCheckpoints(model, cfg, who.run_id, len(dataset),
+                                          f"{who.run_id} | node {who.node} | rank {who.local_rank}", self.protocol, fault)
+        self.report: RunReport | None = None
+        self.templates = None
+        self.plan: GenerationPlan | None = None
+        self.records: dict[int, GenerationRecord] = {}
+        self.last_transfers: list = []
+        self.failed_at: float | None = None  # wall time this worker's step failed
+        self.change: tuple[int, dict[str, float], float] | None = None  # (from generation, phases, started)
+        self.max_nodes: int | None = None
+        self.stop_requested = False  # set on SIGTERM (Note: [stop on request])
+        self.last_step: tuple | None = None  # (stats, plan) of the last committed step
+        self.summaries: tuple[list[float], list[float]] | None = None
+
+    def run(self) -> str:
+        """Runs until the controller says exit; returns why ("done", "stopped", "fenced", "run over")."""
+        action = self.controller.handle(self.start())
+        while not isinstance(action, Exit):
+            action = self.controller.handle(self.execute(action))
+        if self.report and action.reason == "stopped":
+            self.report.stopped(self.trainer.completed_steps, self.cfg.checkpoint.dir)
+        elif self.report and action.reason == "done":
+            self.report.final(self.trainer.completed_steps, *self.summaries)
+        return action.reason
+
+    def execute(self, action: object) -> object:
+        """Carries out one action; its outcome as the next event."""
+        try:
+            if isinstance(action, (Train, Evaluate, Finish)):
+                return self._work(action)
+            if isinstance(action, Build):
+                return self.adopt(action.record, action.timeout_factor)
+            if isinstance(action, Recover):
+                return self.recover(action.cause)
+            if isinstance(action, Grow):
+                return self.grow(list(action.joiners))
+            if isinstance(action, Join):
+                return self.join()
+        except Fenced as exc:  # the others go on without this node; it leaves the run's state alone
+            self.log.error("%s", exc)
+            return FencedOut(str(exc))
+        raise AssertionError(f"the controller asked for {action!r}, which the executor does not know")
+
+    def _work(self, action: Train | Evaluate | Finish) -> object:
+        """A step, an evaluation or the run's end: collectives, so a failure is recovered. It is
+        caught as text and handled only after the except block: until then the exception and
+        its traceback keep the dead generation's groups (and their sockets) alive, and peers
+        blocked on them would wait for the collective timeout."""
+        try:
+            if isinstance(action, Train):
+                return self.step()
+            if isinstance(action, Evaluate):
+                return self.evaluate()
+            self.save_checkpoint(final=True)  # the end is a collective too
+            self.summaries = self.trainer.layer_summaries()
+            return Finished()
+        except STEP_ERRORS as exc:
+            cause, error = _cause(exc)
+            self.failed_at = time.time()
+        self.log.warning("step %d failed (%s); recovering", self.trainer.completed_steps, cause)
+        return StepFailed(cause, error)
+
+    # --- joining ------------------------------------------------------------------------------
+
+    def start(self) -> Started:
+        self.protocol.check_same_job(job_description(self.cfg, self.model))
+        pointer = self.protocol.pointer(self.cfg.elastic.join_timeout_s)
+        self.max_nodes = self.protocol.max_nodes()  # written before the pointer
+        first = self.protocol.try_record(0) or pointer
+        self.templates = plan_run(self.protocol, self.who, first.nodes, self.model, self.cfg)
+        # Note: [frozen heap] Each teardown runs gc.collect() so that nothing of the old
+        # generation keeps its gloo sockets open (generation.py). With torch imported a full
+        # collection scans ~1e6 objects (0.4 s here, most of a recovery); freezing what exists
+        # now (imports, config, plans; no layers or groups yet) leaves only objects created
+        # since for each collection to scan (< 1 ms).
+        gc.collect()
+        gc.freeze()
+        # the rendezvous's bare record of the first members stays the pointer until the first
+        # change: a node not among them joins, however the pointer reads
+        member = pointer.generation == 0 and not pointer.planned and self.me.node in pointer.nodes
+        if not member:
+            self.checkpoints.note_first(self.protocol.try_record(0))
+            return Started(False)
+        if (self.who.node, self.who.local_rank) == (min(pointer.nodes), 0):
+            self.protocol.publish_first(self._first_record(pointer))
+        first = self.protocol.first(self.cfg.elastic.join_timeout_s)
+        self.checkpoints.note_first(first)
+        return Started(True, first)
+
+    def _first_record(self, pointer: GenerationRecord) -> GenerationRecord:
+        """Generation 0: its instantiation, and the checkpoint it resumes from (checkpoint.resume)."""
+        train = self.cfg.train
+        inst = instantiate(self.templates, pointer.nodes, train.global_batch_size, train.microbatch_size)
+        resumed = self.checkpoints.resume()
+        layout = NextLayout(instantiation=inst, start_step=resumed.step if resumed else 0, base=None,
+                            restored_from=resumed.step if resumed else None,
+                            actions=(resumed.action,) if resumed else ())
+        record = GenerationRecord.next(0, layout, resumed.cause if resumed else None)
+        return dataclasses.replace(record, resumed=resumed.origin) if resumed else record
+
+    def join(self) -> object:
+        """A node started after the run began: gets ready and waits to be admitted."""
+        self.protocol.report_ready(self.me.node, self.who.local_world_size)
+        self.log.info("ready to join; waiting for admission")
+        timeout = self.cfg.elastic.join_timeout_s
+
+        def admitted() -> GenerationRecord | RunOver | None:
+            record = self.protocol.current(timeout)
+            if self.me.node in record.nodes:
+                return record
+            return RunOver() if self.protocol.finished() else None
+        outcome = self.protocol.wait(f"node {self.me.node} to be admitted (elastic.join_timeout_s)", admitted, timeout)
+        if isinstance(outcome, RunOver):
+            self.log.warning("the run finished before this node was admitted")
+            return outcome
+        return Admitted(outcome)
+
+    # --- building -----------------------------------------------------------------------------
+
+    def adopt(self, record: GenerationRecord, timeout_factor: int = 1) -> object:
+        """Builds the generation of the record that won the compare-and-set, whatever this
+        worker proposed: a restore record is restored from the checkpoint, any other is built
+        from its base with the transfers every member derives alike. A worker left out, or at
+        another step than the record, is fenced."""
+        train = self.cfg.train
+        record = record.check(self.templates, global_batch=train.global_batch_size,
+                              microbatch=train.microbatch_size, steps=train.steps)
+        g = record.generation
+        if self.me.node not in record.nodes:
+            raise Fenced(f"node {self.me.node} fenced: not a member of generation {g} ({record.cause})")
+        self.records[g] = record
+        restore_from = None
+        if record.restored_from is not None:
+            self.checkpoints.saved_step = record.start_step
+            transfers, restore_from = [], self.cfg.checkpoint.dir
+        elif self.trainer.layers.layers and record.start_step != self.trainer.completed_steps:
+            raise Fenced(f"node {self.me.node} fenced: generation {g} starts at step {record.start_step} "
+                         f"but this worker has completed {self.trainer.completed_steps}")
+        else:
+            base = self._record(record.base).instantiation if record.base is not None else None
+            if base is not None:  # what this worker held in the base: drops partial copies of a failed build
+                self.trainer.layers.keep_only(layer_holders(base, self.templates).get(self.me, ()))
+            transfers = transfers_between(self.templates, base, record.instantiation)
+        self.last_transfers = transfers
+        return self._enter(record, transfers, restore_from, timeout_factor)
+
+    def _record(self, generation: int) -> GenerationRecord:
+        if generation not in self.records:
+            train = self.cfg.train
+            self.records[generation] = self.protocol.record(generation).check(
+                self.templates, global_batch=train.global_batch_size, microbatch=train.microbatch_size,
+                steps=train.steps)
+        return self.records[generation]
+
+    def _enter(self, record: GenerationRecord, transfers, restore_from: str | None, timeout_factor: int) -> object:
+        """Builds a generation and waits until every member has."""
+        plan = GenerationPlan(generation=record.generation, start_step=record.start_step,
+                              workers_per_node=self.who.local_world_size, instantiation=record.instantiation,
+                              templates=self.templates)
+        self.plan = plan
+        if self.fault and self.fault.step < 0:  # before any step: faults of the build count from the first
+            self.fault.step = record.start_step
+        # Slow is not dead: each replay of a step that failed with every node alive doubles the
+        # collective timeout, so a transfer or step slower than elastic.collective_timeout_s
+        # gets through (Note: [roll call] in elastic/protocol.py).
+        self.trainer.set_timeout(self.cfg.elastic.collective_timeout_s * timeout_factor)
+        started = time.perf_counter()
+        try:
+            self.trainer.build(plan, transfers, settle=False, restore_from=restore_from)
+            self.protocol.built(plan.generation, len(plan.members), plan.instantiation.nodes,
+                                self.cfg.elastic.agreement_timeout_s)
+        except STEP_ERRORS as exc:
+            cause, error = _cause(exc, f" while building generation {record.generation}")
+        else:
+            cause = None
+        if self.change is not None:  # the phases of the change under way
+            for name, value in ({"restore": time.perf_counter() - started} if record.restored_from is not None
+                                else self.trainer.last_build_s).items():
+                self.change[1][name] = self.change[1].get(name, 0.0) + value
+        if cause:
+            return BuildFailed(cause, error)
+        self.trainer.settle()
+        self._report_generation(record)
+        return Built(record)
+
+    def _report_generation(self, record: GenerationRecord) -> None:
+        plan = self.plan
+        if plan.rank_of(self.me) == 0 and self.report is None:
+            self.report = RunReport(self.cfg, self.store, self.model.num_layers)
+            if self.last_step is not None:  # rank 0 died after a commit, maybe before its line
+                self.report.catch_up(*self.last_step)
+        if self.report:
+            self.report.generation(plan, self.templates)
+            if record.generation == 0 and record.resumed:
+                self.report.resumed(record.to_json(), self.cfg.checkpoint.dir)
+        if self.change is not None:
+            self._report_change()
+
+    # --- training -----------------------------------------------------------------------------
+
+    def step(self) -> StepDone:
+        plan = self.plan
+        if self.fault:
+            self.fault.step = self.trainer.completed_steps
+        computed = self.trainer.compute()
+        if self.fault:
+            self.fault("commit")
+        if self.stop_requested:  # before this worker reports ready, so this step's commit carries it
+            self.protocol.request_stop(f"node {self.me.node} (SIGTERM)")
+            self.stop_requested = False
+        decision = self.protocol.commit_step(plan.generation, computed.stats.step, len(plan.members),
+                                             plan.instantiation.nodes, self.cfg.elastic.agreement_timeout_s,
+                                             self.max_nodes)
+        if self.fault:
+            self.fault("committed")
+        self.last_step = (computed.stats, plan)
+        if self.report:
+            self.report.step(computed.stats, plan)
+        self.trainer.apply(computed)
+        self.save_checkpoint(final=decision.stop)  # a failure before it is written is recovered
+        return StepDone(computed.stats.step, decision.join, decision.stop)
+
+    def save_checkpoint(self, final: bool = False) -> None:
+        self.checkpoints.save(self.plan, self.plan.rank_of(self.me), self.trainer.layers,
+                              self.trainer.completed_steps, final)
+
+    def evaluate(self) -> EvalDone:
+        """The eval loss after this step: eval.steps batches forward only, their token-weighted
+        mean. A collective like a step: a failure here is recovered and the evaluation run again."""
+        done = self.trainer.completed_steps
+        if self.fault:
+            self.fault("eval", step=done)
+        loss_sum = tokens = 0
+        started = time.perf_counter()
+        for batch in range(self.cfg.eval.steps):
+            loss, count = self.trainer.evaluate(batch)
+            loss_sum, tokens = loss_sum + loss * count, tokens + count
+        if self.report:
+            self.report.evaluation(done, loss_sum / tokens if tokens else float("nan"), tokens,
+                                   perplexity=self.model.vocab_size is not None,
+                                   seconds=time.perf_counter() - started)
+        return EvalDone(done)
+
+    # --- changing membership ------------------------------------------------------------------
+
+    def grow(self, joiners: list[int]) -> Proposed:
+        """Admits ready joiners at this step boundary: every member does the same, in step."""
+        started = time.perf_counter()
+        self.failed_at = None
+        old, step = self.plan, self.trainer.completed_steps
+        self.trainer.close()
+        if self.fault:
+            self.fault("grow")
+        # A member that died after the commit (in its optimizer step) is left out when its death
+        # is known already (its agent marked it); if not, the build fails and recovery drops it.
+        dead = sorted(self.protocol.dead(old.instantiation.nodes))
+        alive = sorted((set(old.instantiation.nodes) - set(dead)) | set(joiners))
+        cause = f"node(s) {joiners} joined" + (f"; node(s) {dead} lost after step {step - 1}" if dead else "")
+        record = self._propose(old, Base(old.generation, old.instantiation), alive, dead, step, cause)
+        if self.fault:
+            self.fault("admit")
+        self.change = (old.generation, {"agree": time.perf_counter() - started}, started)
+        return Proposed(record)
+
+    def recover(self, cause: str) -> Proposed:
+        """Tears the failed generation down, aborts its step, takes the roll call and proposes
+        the next generation (Note: [roll call]); adopting the record that won is the next action."""
+        t0 = time.perf_counter()
+        if self.change is None:
+            self.change = (self.plan.generation, {}, t0)
+            if self.report:
+                self.report.flush_recovery()  # a failure before the last recovery's replay finished
+        old, step, ela = self.plan, self.trainer.completed_steps, self.cfg.elastic
+        self.trainer.close()  # frees gloo sockets: peers blocked on us fail fast
+        t1 = time.perf_counter()
+        if self.protocol.decide_abort(old.generation, step).outcome is Outcome.COMMIT:
+            raise AssertionError("a committed step cannot fail before apply(): apply is local")
+        self.trainer.discard()
+        if self.fault:
+            self.fault("agreement")
+        alive, dead = self.protocol.roll_call(old.generation, (self.me.node, self.me.local_rank),
+                                              list(old.instantiation.nodes), self.who.local_world_size,
+                                              ela.agreement_timeout_s, ela.rollcall_window_s)
+        failed = self.records[old.generation]
+        complete = self.protocol.complete(old.generation, len(old.members))
+        base_g = old.generation if complete else failed.base
+        base = Base(base_g, self._record(base_g).instantiation) if base_g is not None else None
+        record = self._propose(old, base, alive, dead, step, cause, fresh=failed.restored_from is None)
+        replay = base is not None and not dead and set(base.instantiation.nodes) <= set(alive)
+        phases = self.change[1]
+        for name, value in (("teardown", t1 - t0), ("agree", time.perf_counter() - t1)):
+            phases[name] = phases.get(name, 0.0) + value
+        return Proposed(record, replay)
+
+    def _propose(self, old: GenerationPlan, base: Base | None, alive: list[int], dead: list[int], step: int,
+                 cause: str, fresh: bool = False) -> GenerationRecord:
+        """Plans the next generation (planning/recovery.py) and proposes it; the record that won."""
+        train = self.cfg.train
+        try:
+            layout = plan_next(self.templates, base, alive=alive, dead=dead, step=step, fresh=fresh,
+                               checkpoint=self.checkpoints.fallback_step, global_batch=train.global_batch_size,
+                               microbatch=train.microbatch_size)
+        except NoCheckpointError as exc:
+            raise OobleckError(f"{cause}. {exc} (in {self.cfg.checkpoint.dir!r})") from exc
+        if layout.restored_from is not None:
+            self.log.warning("layers lost: restoring the checkpoint of step %d", layout.restored_from)
+        proposal = GenerationRecord.next(old.generation + 1, layout, cause)
+        # Every survivor proposes; compare-and-set keeps the first, so losing any one of them (the
+        # "coordinator") cannot stall the agreement, and everyone acts on the record that won.
+        return self.protocol.propose(proposal, self.cfg.elastic.agreement_timeout_s)
+
+    def _report_change(self) -> None:
+        """Hands the reporter the change from the generation before it to the current one."""
+        first_generation, phases, started = self.change
+        self.change = None
+        if not self.report:
+            return
+        before = set(self._record(first_generation).nodes)
+        lost = before - set(self.plan.instantiation.nodes)
+        signs = [t for t in map(self.protocol.failed_at, sorted(lost)) if t is not None]
+        self.report.recovery(plan=self.plan, record=self.records[self.plan.generation].to_json(),
+                             first_generation=first_generation, before=before, transfers=self.last_transfers,
+                             phases=phases, total_s=time.perf_counter() - started, failed_at=self.failed_at,
+                             first_failure=min(signs) if signs else None)
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.trainer.shutdown()
+        if self.report:
+            self.report.close()
