@@ -1,5 +1,6 @@
 """Imports flow one way: config <- planning <- runtime <- elastic; monitoring beside them;
-data (datasets) and models (adapters onto runtime.model) beside the runtime."""
+data (datasets) and models (adapters onto runtime.model) beside the runtime; testing (fault
+injection) low, built by elastic and only called by the runtime through the hook it is given."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ ALLOWED = {
     "runtime": {"config", "planning", "monitoring"},
     "data": {"config"},
     "models": {"config", "runtime"},
-    "elastic": {"config", "planning", "monitoring", "runtime"},
+    "elastic": {"config", "planning", "monitoring", "runtime", "testing"},
+    "testing": {"config"},
 }
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import ConfigError, LayersLostError, OobleckError, PlanningError
 from oobleck_elastic.elastic.checkpoints import RunCheckpoints
-from oobleck_elastic.elastic.faults import FaultInjector
+from oobleck_elastic.testing.faults import FaultInjector
 from oobleck_elastic.elastic.process import check_lease, stop_or_die, watch_parent
 from oobleck_elastic.elastic.membership import (
     Fenced,
