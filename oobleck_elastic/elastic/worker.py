@@ -38,7 +38,7 @@ from oobleck_elastic.elastic.membership import (
     roll_call,
 )
 from oobleck_elastic.elastic.store import MembershipStore, connect_store, host_store
-from oobleck_elastic.elastic.reporting import RunReport
+from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.planning import (
     Instantiation,
     ModelProfile,
