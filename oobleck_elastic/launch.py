@@ -59,7 +59,7 @@ def job_config_of(script_args: list[str]) -> JobConfig | None:
             sets.append(script_args[i + 1])
     if config is None and not sets:
         return None
-    from oobleck_elastic.runtime.trainer import check_supported
+    from oobleck_elastic.runtime.supported import check_supported
 
     cfg = load_config(config, sets)
     check_supported(cfg)
