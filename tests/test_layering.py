@@ -45,3 +45,10 @@ def test_layer_imports_only_lower_layers(layer):
 def test_planning_never_imports_torch():
     for path in (PACKAGE / "planning").rglob("*.py"):
         assert not any(n == "torch" or n.startswith("torch.") for n in imports_of(path)), path.name
+
+
+def test_config_never_imports_torch():
+    """Parsing a job needs no torch (the plan CLI, tools reading a job file); the optimizer's
+    name is checked by runtime/supported.py."""
+    for path in (PACKAGE / "config").rglob("*.py"):
+        assert not any(n == "torch" or n.startswith("torch.") for n in imports_of(path)), path.name
