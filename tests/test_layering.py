@@ -1,6 +1,7 @@
 """Imports flow one way: config <- planning <- runtime <- elastic; monitoring beside them;
 data (datasets) and models (adapters onto runtime.model) beside the runtime; testing (fault
-injection) low, built by elastic and only called by the runtime through the hook it is given."""
+injection) low, built by elastic and only called by the runtime through the hook it is given;
+launcher (what the launch CLI runs: a node, a local job) on top, imported by no layer."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ ALLOWED = {
     "models": {"config", "runtime"},
     "elastic": {"config", "planning", "monitoring", "runtime", "testing"},
     "testing": {"config"},
+    "launcher": {"config", "planning", "monitoring", "runtime", "elastic", "testing"},
 }
 
 
