@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.oobleck_local_nodes < 1:
                 raise OobleckError(f"--oobleck-local-nodes must be >= 1, got {args.oobleck_local_nodes}")
             return run_local_job(args, cfg)
-        return run_node(args)
+        return run_node(args, cfg)
     except OobleckError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,8 +18,9 @@ import time
 import uuid
 
 from oobleck_elastic.config import JobConfig
+from oobleck_elastic.launcher.node import with_job_settings
 
-__all__ = ["run_local_job"]
+__all__ = ["run_local_job", "node_command"]
 
 
 def _progress_line(rec: dict, first: tuple[float, int]) -> str:
@@ -115,6 +116,18 @@ class _StopOnSignal:
             signal.signal(sig, handler)
 
 
+def node_command(args: argparse.Namespace, cfg: JobConfig | None, endpoint: str, run_id: str) -> list[str]:
+    """The command of one node of the local job: the launcher again, as one node, with the job's
+    rendezvous settings in --rdzv-conf (launcher/node.py)."""
+    nodes = args.oobleck_local_nodes
+    most = nodes + len(args.oobleck_add_node_at_step)
+    return [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}:{most}",
+            f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-conf={with_job_settings(args.rdzv_conf, cfg)}", f"--rdzv-id={run_id}",
+            f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
+            *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
+
+
 def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     """Runs the job of `args` (the launcher's parsed flags: --oobleck-local-nodes, --nproc-per-node,
     --rdzv-*, --max-restarts, --oobleck-add-node-at-step, --oobleck-log-dir, -v and the training
@@ -125,13 +138,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     store, endpoint = _local_store(args, run_id)
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if cfg:
-        env["OOBLECK_HEARTBEAT_S"] = str(cfg.elastic.heartbeat_interval_s)
-    most = nodes + len(args.oobleck_add_node_at_step)
-    base = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}:{most}",
-            f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-conf={args.rdzv_conf}", f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
-            *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
+    base = node_command(args, cfg, endpoint, run_id)
     procs, logs = [], []
 
     def start_node() -> None:
