@@ -1,4 +1,6 @@
-"""`python -m oobleck_elastic.launch`: torchrun's flags, our agent and rendezvous.
+"""`python -m oobleck_elastic.launch`: the command line. torchrun's flags plus a few --oobleck-*
+ones, the job's configuration checked before anything starts, then one node or a whole local
+job (both run by oobleck_elastic/launcher/).
 
     python -m oobleck_elastic.launch --nnodes 2 --nproc-per-node 4 --rdzv-endpoint host:29400 \\
         train.py --config job.yaml                     # one node of a multi-machine job
@@ -15,21 +17,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
-import subprocess
 import sys
-import time
-import uuid
 
-from torch.distributed.run import config_from_args, get_args_parser
+from torch.distributed.run import get_args_parser
 
 from oobleck_elastic.config import JobConfig, load_config
 from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.launcher import run_local_job, run_node
 
-__all__ = ["main", "build_parser"]
-
-logger = logging.getLogger("oobleck_elastic.launch")
+__all__ = ["main", "build_parser", "job_config_of"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,251 +55,11 @@ def job_config_of(script_args: list[str]) -> JobConfig | None:
             sets.append(script_args[i + 1])
     if config is None and not sets:
         return None
-    from oobleck_elastic.runtime.trainer import check_supported
+    from oobleck_elastic.runtime.supported import check_supported
 
     cfg = load_config(config, sets)
     check_supported(cfg)
     return cfg
-
-
-def run_node(args: argparse.Namespace) -> int:
-    """One node: the oobleck agent with the oobleck rendezvous (what torchrun would run)."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
-
-    from oobleck_elastic.elastic.agent import OobleckAgent
-    from oobleck_elastic.elastic.rendezvous import create_handler
-    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
-
-    args.rdzv_backend = "static"  # config_from_args checks only torch's own backends
-    config, cmd, cmd_args = config_from_args(args)
-    params = RendezvousParameters(backend="oobleck", endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
-                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes, **config.rdzv_configs)
-    handler = create_handler(params)
-    spec = WorkerSpec(role="trainer", local_world_size=config.nproc_per_node, entrypoint=cmd,
-                      args=tuple(cmd_args), rdzv_handler=handler, max_restarts=config.max_restarts,
-                      monitor_interval=config.monitor_interval, master_addr=handler.store.host,
-                      master_port=handler.store.port)
-    agent = OobleckAgent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
-                         exit_barrier_timeout=60)
-    try:
-        result = agent.run()
-    finally:
-        try:
-            handler.shutdown()
-        except Exception as exc:  # the store's host may be gone; leaving is best effort
-            logger.warning("[node %s] could not leave the rendezvous cleanly: %s", handler.node, exc)
-    if result.is_failed():
-        for rank, failure in result.failures.items():
-            print(f"[node {handler.node}] worker {rank} failed: exit code {failure.exitcode}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _progress_line(rec: dict, first: tuple[float, int]) -> str:
-    """One line per interval; the ETA extrapolates the steps seen since the first one."""
-    step, total = rec["step"] + 1, rec.get("total_steps", 0)
-    seen_at, seen_step = first
-    done = step - seen_step
-    eta = f"{(time.monotonic() - seen_at) / done * (total - step):5.0f} s" if done > 0 else "    ? s"
-    return (f"step {step:>5}/{total}  loss {rec['loss']:.4f}  {rec['samples_per_s']:8.1f} samples/s  "
-            f"gen {rec['generation']}  {rec['nodes']} nodes  {rec['num_pipelines']} pipelines "
-            f"{rec['pipelines']}  ETA {eta}")
-
-
-def _recovery_line(rec: dict) -> str:
-    what = " ".join(filter(None, [f"lost node(s) {rec['lost']}" if rec["lost"] else "",
-                                  f"joined node(s) {rec['joined']}" if rec["joined"] else ""]))
-    phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in rec["phases_s"].items())
-    return (f"reconfigured -> generation {rec['generation']}: {what} at step {rec['step'] + 1}, "
-            f"{rec['total_s']:.2f} s ({phases}), {rec['transfers']} layer copies "
-            f"({rec['bytes_moved'] / 2**20:.1f} MiB); " + "; ".join(rec["actions"]))
-
-
-def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> None:
-    """A node whose agent process exited before the run is done is dead: say so in the store
-    at once (faster than its lease expiring)."""
-    from oobleck_elastic.elastic.protocol import Protocol
-
-    if store.try_get_json("done"):
-        return
-    for k, p in enumerate(procs):
-        if k in dead or p.poll() is None or p.returncode == 0:  # 0: it finished (a stop, the end)
-            continue
-        dead.add(k)
-        node = _node_of_pid(store, p.pid)
-        if node is not None:
-            Protocol(store).mark_dead(node, f"agent exited with {p.returncode}")
-            print(f"oobleck: node {node} died (agent exit code {p.returncode})", flush=True)
-
-
-def _node_of_pid(store, pid: int) -> int | None:
-    """The newest node id registered by agent `pid` (a node whose workers torch restarted
-    registers again under a new id)."""
-    for node in reversed(range(store.add("nodes/next", 0))):
-        info = store.try_get_json(f"nodes/{node}")
-        if info and info.get("pid") == pid:
-            return node
-    return None
-
-
-def _local_store(args: argparse.Namespace, run_id: str):
-    """The membership store of a local job: hosted here (embedded), or on the etcd server that
-    `--rdzv-conf store=etcd` and `--rdzv-endpoint` name. Returns it and the nodes' endpoint."""
-    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
-
-    from oobleck_elastic.elastic.rendezvous import store_kind
-    from oobleck_elastic.elastic.store import connect_store, host_store
-
-    if store_kind(_parse_rendezvous_config(args.rdzv_conf)) == "etcd":
-        endpoint = args.rdzv_endpoint or "127.0.0.1:2379"
-        return connect_store(f"etcd://{endpoint}", run_id), endpoint
-    port = int(args.rdzv_endpoint.rpartition(":")[2]) if args.rdzv_endpoint else 0
-    store = host_store("127.0.0.1", port, run_id)
-    return store, f"127.0.0.1:{store.port}"
-
-
-class _StopOnSignal:
-    """SIGTERM or Ctrl-C: the first asks the run to stop after its current step (Note: [stop on
-    request] in elastic/agent.py), the second kills the nodes. The handler only takes note; the
-    launcher's loop writes the request (no store call from inside a signal handler)."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self.sent = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-
-    def publish(self, store) -> None:
-        if self.signal is None or self.sent:
-            return
-        from oobleck_elastic.elastic.protocol import Protocol
-
-        Protocol(store).request_stop(f"the launcher ({self.signal})")
-        self.sent = True
-        print(f"oobleck: {self.signal}: stopping after the current step and writing a checkpoint "
-              "(again to kill the nodes now)", file=sys.stderr, flush=True)
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
-    nodes = args.oobleck_local_nodes
-    run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
-    store, endpoint = _local_store(args, run_id)
-    os.makedirs(args.oobleck_log_dir, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if cfg:
-        env["OOBLECK_HEARTBEAT_S"] = str(cfg.elastic.heartbeat_interval_s)
-    most = nodes + len(args.oobleck_add_node_at_step)
-    base = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}:{most}",
-            f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-conf={args.rdzv_conf}", f"--rdzv-id={run_id}", f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
-            *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
-    procs, logs = [], []
-
-    def start_node() -> None:
-        k = len(procs)
-        log = None if args.verbose else open(os.path.join(args.oobleck_log_dir, f"node{k}.log"), "w")  # noqa: SIM115
-        logs.append(log)
-        procs.append(subprocess.Popen(base, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
-                                      start_new_session=True))
-
-    pending_adds = sorted(args.oobleck_add_node_at_step)
-    print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
-          f"{store.url}; node logs in {args.oobleck_log_dir}/", flush=True)
-    for _ in range(nodes):
-        start_node()
-    started = time.monotonic()
-    first: tuple[float, int] | None = None
-    last_step = -1
-    interval = cfg.monitoring.log_interval if cfg else 1
-    generation = 0
-    finished_at = None
-    dead: set[int] = set()
-    resumed = None
-    stopper = _StopOnSignal()
-    try:
-        while any(p.poll() is None for p in procs):
-            stopper.publish(store)
-            _mark_dead_nodes(store, procs, dead)
-            rec = store.try_get_json("progress")
-            if rec and rec["step"] != last_step:
-                first = first or (time.monotonic(), rec["step"] + 1)
-                # a line whenever a multiple of the interval was passed: polling may skip steps
-                if (rec["step"] + 1) // interval > (last_step + 1) // interval or rec["step"] + 1 == rec["total_steps"]:
-                    if resumed is None and (resumed := store.try_get_json("resumed") or {}):
-                        print(f"oobleck: resumed from step {resumed['step']} (the checkpoint of run "
-                              f"{resumed['from_run']} in {resumed['checkpoint_dir']})", flush=True)
-                    print(_progress_line(rec, first), flush=True)
-                last_step = rec["step"]
-                while pending_adds and rec["step"] + 1 >= pending_adds[0]:
-                    pending_adds.pop(0)
-                    start_node()
-                    print(f"oobleck: starting one more node (agent {procs[-1].pid}); it joins when ready",
-                          flush=True)
-            # One record per recovery, named by the generation it ended in (a recovery that
-            # spans several generations, after a failure during the recovery, has one record).
-            latest = (store.try_get_json("generation") or {}).get("generation", generation)
-            for g in range(generation + 1, latest + 1):
-                if recovery := store.try_get_json(f"recovery/{g}"):
-                    generation = g
-                    print(_recovery_line(recovery), flush=True)
-            if len(dead) == len(procs):
-                break
-            if store.try_get_json("done") is not None:
-                # Nodes left out of the last generation (hung, fenced) never finish on their own.
-                members = set(store.try_get_json("generation")["nodes"])
-                for p in procs:
-                    if p.poll() is None and _node_of_pid(store, p.pid) not in members:
-                        os.killpg(p.pid, signal.SIGKILL)
-                finished_at = finished_at or time.monotonic()
-                if time.monotonic() - finished_at > 30:
-                    stuck = [p.pid for p in procs if p.poll() is None]
-                    print(f"oobleck: the run is done but agent(s) {stuck} did not exit; stopping them",
-                          file=sys.stderr)
-                    break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        print("interrupted: killing every node", file=sys.stderr)
-    finally:
-        stopper.restore()
-        for p in procs:  # what is left is stuck or was interrupted twice (a SIGTERM would ask for a stop)
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for log in logs:
-            if log:
-                log.close()
-    failed = [k for k, p in enumerate(procs) if p.returncode != 0]
-    done = store.try_get_json("done")
-    if not done:
-        print(f"oobleck: the job did not finish; node logs (by start order): "
-              f"{', '.join(f'{args.oobleck_log_dir}/node{k}.log' for k in failed)}", file=sys.stderr)
-        for k in failed:
-            if args.verbose:
-                break
-            lines = open(os.path.join(args.oobleck_log_dir, f"node{k}.log")).read().splitlines()
-            errors = [line for line in lines if line.startswith("error:")]
-            if errors:
-                print(f"  {errors[-1]}", file=sys.stderr)
-                break
-        return 1
-    if done.get("stopped"):
-        print(f"oobleck: stopped on request after step {done['steps']}; its checkpoint is in {done['checkpoint_dir']}: "
-              "run the same command to resume from it")
-        return 0
-    print(f"oobleck: finished {done['steps']} steps in {time.monotonic() - started:.1f} s")
-    if cfg:
-        print(f"  metrics log: {cfg.monitoring.metrics_path}")
-        print(f"  TensorBoard: tensorboard --logdir {cfg.monitoring.tensorboard_dir}  "
-              "(then open http://localhost:6006)")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.oobleck_local_nodes < 1:
                 raise OobleckError(f"--oobleck-local-nodes must be >= 1, got {args.oobleck_local_nodes}")
             return run_local_job(args, cfg)
-        return run_node(args)
+        return run_node(args, cfg)
     except OobleckError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

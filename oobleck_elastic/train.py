@@ -76,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("OOBLECK_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from oobleck_elastic.elastic.worker import run_worker
+    from oobleck_elastic.runtime.supported import check_supported
 
 
     def train() -> None:
         cfg = load_config(args.config, args.set)
+        check_supported(cfg)  # the optimizer and the plan kind, before the model is built
         spec, data, held_out = prepare(cfg)
         run_worker(spec, data, cfg, eval_dataset=held_out)
 

@@ -42,8 +42,6 @@ def test_defaults_and_file_and_overrides(tmp_path):
     (["train.microbatch_size=-1"], "train.microbatch_size must be >= 1, got -1"),
     (["train.global_batch_size=30"], "must be a multiple of train.microbatch_size (4); nearest valid: 28 or 32"),
     (["train.dtype=float16"], "train.dtype must be one of 'float32', 'bfloat16', 'float64', got 'float16'"),
-    (["train.optimizer.name=AdamX"], "is not a torch.optim optimizer (did you mean 'Adam'?)"),
-    (["train.optimizer.lrr=0.1"], "train.optimizer.lrr is not an argument of torch.optim.AdamW (did you mean 'lr'?)"),
     (["train.optimizer.lr=-1"], "train.optimizer.lr must be a positive number, got -1"),
     (["fault_tolerance=-1"], "fault_tolerance must be >= 0, got -1"),
     (["planner.memory_per_worker=12XB"], "planner.memory_per_worker must be a byte count"),
@@ -69,6 +67,29 @@ def test_bad_values_name_field_value_and_accepted(tmp_path, overrides, expected)
     with pytest.raises(ConfigError) as info:
         load_config(path, overrides)
     assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.optimizer.name=AdamX", "train.optimizer.name 'AdamX' is not a torch.optim optimizer (did you mean 'Adam'?)"),
+    ("train.optimizer.lrr=0.1", "train.optimizer.lrr is not an argument of torch.optim.AdamW (did you mean 'lr'?)"),
+])
+def test_optimizer_is_checked_against_torch_before_any_worker_starts(tmp_path, capsys, override, expected):
+    """config does not import torch: the runtime checks the optimizer, and every entry point
+    calls that check before a node or a model is built."""
+    from oobleck_elastic.launch import main as launch
+    from oobleck_elastic.runtime.supported import check_supported
+    from oobleck_elastic.train import main as train
+
+    cfg = load_config(None, [override])  # parses: the name is torch's business
+    with pytest.raises(ConfigError) as info:
+        check_supported(cfg)
+    assert expected in str(info.value)
+    logs = tmp_path / "logs"
+    assert launch(["--oobleck-local-nodes=2", f"--oobleck-log-dir={logs}", "-m", "oobleck_elastic.train",
+                   "--set", override]) == 2
+    assert expected in capsys.readouterr().err and not logs.exists(), "no node was started"
+    assert train(["--set", override]) == 2
+    assert expected in capsys.readouterr().err
 
 
 def test_yaml_syntax_error_names_line(tmp_path):

@@ -108,7 +108,7 @@ def test_too_few_layers_for_the_stages_is_explained():
 
 
 def test_runtime_rejects_wide_plans_before_any_worker_starts():
-    from oobleck_elastic.runtime.trainer import check_supported
+    from oobleck_elastic.runtime.supported import check_supported
 
     with pytest.raises(ConfigError, match="planner.wide plans stages that span several workers"):
         check_supported(load_config(None, ["planner.wide=true"]))

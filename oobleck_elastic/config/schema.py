@@ -7,7 +7,6 @@ empty file is a valid job. Messages name the dotted field path and what is accep
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 import types
 from collections.abc import Mapping
@@ -60,7 +59,11 @@ def _check(condition: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """Any `torch.optim` optimizer: its class name and keyword arguments (written inline)."""
+    """Any `torch.optim` optimizer: its class name and keyword arguments (written inline).
+
+    The name and the argument names are checked against torch.optim by the runtime
+    (runtime/supported.py), which entry points call before any worker starts: this layer does
+    not import torch."""
 
     __config_rest__ = "kwargs"
 
@@ -70,30 +73,9 @@ class OptimizerConfig:
     """Keyword arguments of the optimizer's constructor (lr, weight_decay, betas, ...)."""
 
     def __post_init__(self) -> None:
-        import torch.optim  # deferred: only jobs that train need torch at parse time
-
-        from oobleck_elastic.config.parse import did_you_mean  # parse imports this module
-
-        cls = getattr(torch.optim, self.name, None)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            names = sorted(n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
-                           and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
-                           and n != "Optimizer")
-            raise ConfigError(
-                f"train.optimizer.name {self.name!r} is not a torch.optim optimizer"
-                f"{did_you_mean(self.name, names)}; accepted: {', '.join(names)}"
-            )
-        params = inspect.signature(cls.__init__).parameters
-        accepted = [p for p in params if p not in ("self", "params")]
-        for key, value in self.kwargs.items():
-            if key not in accepted:
-                raise ConfigError(
-                    f"train.optimizer.{key} is not an argument of torch.optim.{self.name}"
-                    f"{did_you_mean(key, accepted)}; accepted: {', '.join(accepted)}"
-                )
-            if isinstance(value, (list, tuple)):
-                object.__setattr__(self, "kwargs", types.MappingProxyType(
-                    {**self.kwargs, key: tuple(value)}))
+        lists = {key: tuple(value) for key, value in self.kwargs.items() if isinstance(value, (list, tuple))}
+        if lists:  # YAML lists (betas) become tuples: a frozen config holds no mutable list
+            object.__setattr__(self, "kwargs", types.MappingProxyType({**self.kwargs, **lists}))
         lr = self.kwargs.get("lr")
         if lr is not None:
             _check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0,

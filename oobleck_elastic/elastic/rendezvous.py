@@ -221,7 +221,8 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
 
 def create_handler(params: RendezvousParameters) -> OobleckRendezvousHandler:
     timeout = float(params.get("join_timeout", 600))
-    heartbeat = float(params.get("heartbeat_interval", os.environ.get("OOBLECK_HEARTBEAT_S", 0.5)))
+    # --rdzv-conf heartbeat_interval: our launcher passes the job's elastic.heartbeat_interval_s
+    heartbeat = float(params.get("heartbeat_interval", 0.5))
     if heartbeat <= 0:
         raise ConfigError(f"--rdzv-conf heartbeat_interval must be > 0 seconds, got {heartbeat}")
     return OobleckRendezvousHandler(open_store(params, timeout), min_nodes=params.min_nodes,

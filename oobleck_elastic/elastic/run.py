@@ -27,7 +27,7 @@ from oobleck_elastic.elastic.controller import (
 from oobleck_elastic.elastic.job import WorkerIdentity, WorkerLog, job_description, plan_run
 from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
-from oobleck_elastic.elastic.reporting import RunReport
+from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.planning import WorkerRef, instantiate, layer_holders

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.controller import MAX_REPLAYS_WITHOUT_LOSS
-from oobleck_elastic.elastic.faults import FaultInjector
+from oobleck_elastic.testing.faults import FaultInjector
 from oobleck_elastic.elastic.process import check_lease, stop_or_die, watch_parent
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.elastic.job import WorkerIdentity

@@ -17,6 +17,7 @@ from torch import nn
 
 from oobleck_elastic.config import LRScheduleConfig, TrainConfig
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer
+from oobleck_elastic.runtime.supported import optimizer_class
 
 __all__ = ["LayerState", "LayerStore", "flatten", "lr_factor", "unflatten"]
 
@@ -69,7 +70,7 @@ class LayerState:
         self.module = module
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
-        cls = getattr(torch.optim, train.optimizer.name)
+        cls = optimizer_class(train.optimizer)
         groups = _param_groups(self.named_params, train, canonical or {})
         self.optimizer = cls(groups, **dict(train.optimizer.kwargs)) if self.params else None
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []

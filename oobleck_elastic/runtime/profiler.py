@@ -32,6 +32,7 @@ import torch
 from oobleck_elastic.config import OptimizerConfig
 from oobleck_elastic.planning.profile import PROFILE_FORMAT, LayerProfile, ModelProfile
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer, model_fingerprint
+from oobleck_elastic.runtime.supported import optimizer_class
 
 __all__ = ["profile_model", "load_or_profile", "profile_path", "device_memory_bytes"]
 
@@ -109,7 +110,7 @@ def _profile_layer(spec: ModelSpec, index: int, x: torch.Tensor, target: torch.T
 
     # Backward time = (forward + backward) - forward, both measured on fresh graphs.
     both_ms = _timed(backward, device, iterations)
-    opt = getattr(torch.optim, optimizer.name)(params, **dict(optimizer.kwargs)) if params else None
+    opt = optimizer_class(optimizer)(params, **dict(optimizer.kwargs)) if params else None
     if opt is not None:
         opt.step()
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime.checkpoint import restore_layers
 from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
@@ -25,20 +24,12 @@ from oobleck_elastic.runtime.generation import Generation
 from oobleck_elastic.runtime.layers import LayerStore, lr_factor
 from oobleck_elastic.runtime.model import ModelSpec, boundary_activations, layer_seed
 from oobleck_elastic.runtime.plan import GenerationPlan
+from oobleck_elastic.runtime.supported import check_supported
 from oobleck_elastic.runtime.transfer import run_transfers
 
-__all__ = ["Trainer", "StepStats", "Dataset", "check_supported"]  # Dataset: runtime.data
+__all__ = ["Trainer", "StepStats", "Dataset"]  # Dataset: runtime.data
 
 logger = logging.getLogger(__name__)
-
-
-def check_supported(cfg: JobConfig) -> None:
-    """Raises ConfigError for configurations the runtime cannot run (checked by the launcher
-    before any worker starts, and again by each trainer)."""
-    if cfg.planner.wide:
-        raise ConfigError("planner.wide plans stages that span several workers, which the runtime does "
-                          "not execute (it is for dry runs: python -m oobleck_elastic.plan --wide); "
-                          "set planner.wide=false to train")
 
 
 @dataclass

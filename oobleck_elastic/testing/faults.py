@@ -27,15 +27,23 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from oobleck_elastic.errors import ConfigError
 
-__all__ = ["Fault", "parse_faults", "FaultInjector", "PHASES"]
+__all__ = ["Fault", "parse_faults", "FaultInjector", "KillRecorder", "PHASES"]
 
 ACTIONS = ("kill", "stop", "slow")
 PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "build", "transfer", "agreement", "restore",
           "checkpoint", "eval", "grow", "admit")
 AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fire at
+
+
+class KillRecorder(Protocol):
+    """Where a kill is recorded: the membership store (duck-typed, so this module does not
+    import elastic, which sits above it)."""
+
+    def set_json(self, key: str, value: object) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,14 +72,14 @@ def parse_faults(text: str) -> list[Fault]:
 class FaultInjector:
     """Called by the runtime at each phase; kills this node when a fault matches."""
 
-    def __init__(self, node: int, faults: list[Fault], store=None) -> None:
+    def __init__(self, node: int, faults: list[Fault], store: KillRecorder | None = None) -> None:
         self.node = node
         self.faults = [f for f in faults if f.node == node]
         self.store = store
         self.step = -1
 
     @classmethod
-    def from_environ(cls, node: int, store=None) -> FaultInjector:
+    def from_environ(cls, node: int, store: KillRecorder | None = None) -> FaultInjector:
         return cls(node, parse_faults(os.environ.get("OOBLECK_FAULT", "")), store)
 
     def __call__(self, phase: str, step: int | None = None) -> None:

@@ -1,9 +1,13 @@
 """What a run reports: generation, step, recovery and final records, written by the worker
-that is global rank 0 to the metrics log and TensorBoard, and mirrored in the membership store
-for the launcher (`progress`, `recovery/<g>`, `done`).
+that is global rank 0 to the metrics log and TensorBoard, and mirrored for the launcher
+(`progress`, `recovery/<g>`, `resumed`, `done`) through the `Mirror` it is given: the
+membership store, which this layer does not import (elastic sits above monitoring).
 
 A recovery record waits for the first step of the new generation (the replayed one) so that
 it can carry that step's time; `flush_recovery()` writes it without when no step follows.
+
+The runtime's step statistics and generation plan arrive duck-typed (`StepRecord`,
+`PlanRecord`): monitoring reads a few of their fields and imports nothing above planning.
 """
 
 from __future__ import annotations
@@ -12,28 +16,65 @@ import logging
 import math
 import os
 import time
+from typing import Any, Protocol
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.monitoring.layout import layout_figure, throughput_figure
 from oobleck_elastic.monitoring.metrics import JsonlSink, MultiSink
 from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
-from oobleck_elastic.planning import TemplateSet, layer_holders
+from oobleck_elastic.planning import Instantiation, TemplateSet, layer_holders
 from oobleck_elastic.planning.report import instantiation_table
-from oobleck_elastic.runtime.plan import GenerationPlan
-from oobleck_elastic.runtime.trainer import StepStats
 
-__all__ = ["RunReport"]
+__all__ = ["RunReport", "Mirror", "StepRecord", "PlanRecord"]
 
 logger = logging.getLogger(__name__)
+
+
+class Mirror(Protocol):
+    """Where the launcher reads the run's progress: a key-value store of JSON values (the
+    membership store's `set_json`/`try_get_json`)."""
+
+    def set_json(self, key: str, value: Any) -> None: ...
+
+    def try_get_json(self, key: str) -> Any | None: ...
+
+
+class StepRecord(Protocol):
+    """The fields of a committed step that are reported (runtime.trainer.StepStats)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def loss(self) -> float: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def grad_norm(self) -> float: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def lr(self) -> float | None: ...
+
+
+class PlanRecord(Protocol):
+    """The fields of a generation's plan that are reported (runtime.plan.GenerationPlan)."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def start_step(self) -> int: ...
+    @property
+    def instantiation(self) -> Instantiation: ...
 
 
 class RunReport:
     """The metrics sinks of the reporting worker and its pending recovery record."""
 
-    def __init__(self, cfg: JobConfig, store: MembershipStore, num_layers: int) -> None:
-        self.cfg, self.store, self.num_layers = cfg, store, num_layers
+    def __init__(self, cfg: JobConfig, mirror: Mirror, num_layers: int) -> None:
+        self.cfg, self.mirror, self.num_layers = cfg, mirror, num_layers
         self.tensorboard = TensorBoardSink(cfg.monitoring.tensorboard_dir)
         self.sink = MultiSink([JsonlSink(cfg.monitoring.metrics_path), self.tensorboard])
         self.throughput: list[tuple[int, float]] = []  # (step, samples/s) for the final figure
@@ -41,7 +82,7 @@ class RunReport:
         self.pending_recovery: dict | None = None
         self.last_eval: int | None = None
 
-    def generation(self, plan: GenerationPlan, templates: TemplateSet) -> None:
+    def generation(self, plan: PlanRecord, templates: TemplateSet) -> None:
         """The plan of a generation, with its layout drawn to a PNG next to the logs."""
         inst = plan.instantiation
         pipe_of = {n: i for i, p in enumerate(inst.pipelines) for n in p.nodes}
@@ -58,7 +99,7 @@ class RunReport:
             "pipelines": [{"nodes": list(p.nodes), "microbatches": p.microbatches} for p in inst.pipelines],
             "table": instantiation_table(inst), "layout_png": png})
 
-    def step(self, stats: StepStats, plan: GenerationPlan) -> None:
+    def step(self, stats: StepRecord, plan: PlanRecord) -> None:
         self.flush_recovery(replay_s=stats.seconds)
         inst = plan.instantiation
         rec = {"step": stats.step, "time": time.time(), "loss": stats.loss, "samples": stats.samples,
@@ -71,18 +112,18 @@ class RunReport:
         self.sink.write(rec)
         self.throughput.append((stats.step, rec["samples_per_s"]))
         try:  # the launcher's mirror only: a store hiccup here must not fail a committed step
-            self.store.set_json("progress", rec)
+            self.mirror.set_json("progress", rec)
         except (OobleckError, RuntimeError) as exc:  # torch's store errors are RuntimeErrors
             logger.warning("could not publish the progress of step %d: %s", stats.step, str(exc).splitlines()[0][:160])
 
-    def catch_up(self, stats: StepStats, plan: GenerationPlan) -> None:
+    def catch_up(self, stats: StepRecord, plan: PlanRecord) -> None:
         """A new reporting worker (the last one died) writes the line of the last committed step
         if its predecessor died before it could: every worker holds the step's statistics."""
-        published = self.store.try_get_json("progress")
+        published = self.mirror.try_get_json("progress")
         if published is None or published["step"] < stats.step:
             self.step(stats, plan)
 
-    def recovery(self, *, plan: GenerationPlan, record: dict, first_generation: int, before: set[int],
+    def recovery(self, *, plan: PlanRecord, record: dict, first_generation: int, before: set[int],
                  transfers: list, phases: dict[str, float], total_s: float, failed_at: float | None,
                  first_failure: float | None) -> None:
         """Holds the record of a change from `first_generation` (members `before`) to `plan`.
@@ -108,7 +149,7 @@ class RunReport:
         self.sink.write(rec)
         what = [f"{word} {rec[key]}" for word, key in (("lost", "lost"), ("joined", "joined")) if rec[key]]
         self.changes.append((rec["step"], ", ".join(what) or "replayed"))
-        self.store.set_json(f"recovery/{rec['generation']}", rec)
+        self.mirror.set_json(f"recovery/{rec['generation']}", rec)
 
     def evaluation(self, step: int, loss: float, tokens: int, *, perplexity: bool, seconds: float) -> None:
         """The eval loss after `step` steps (once, though a failure may make it run again)."""
@@ -125,7 +166,7 @@ class RunReport:
         rec = {"event": "resumed", "step": first["start_step"], "from_run": first["resumed"]["run_id"],
                "checkpoint_dir": directory, "time": time.time()}
         self.sink.write(rec)
-        self.store.set_json("resumed", rec)
+        self.mirror.set_json("resumed", rec)
 
     def _throughput_figure(self, steps: int) -> None:
         """samples/s over the run with its membership changes, as throughput.png next to the
@@ -142,13 +183,13 @@ class RunReport:
         self.flush_recovery()
         self._throughput_figure(steps)
         self.sink.write({"event": "stopped", "steps": steps, "checkpoint_dir": directory, "time": time.time()})
-        self.store.set_json("done", {"steps": steps, "stopped": True, "checkpoint_dir": directory})
+        self.mirror.set_json("done", {"steps": steps, "stopped": True, "checkpoint_dir": directory})
 
     def final(self, steps: int, sums: list[float], norms: list[float]) -> None:
         self.flush_recovery()
         self._throughput_figure(steps)
         self.sink.write({"event": "final", "steps": steps, "param_sums": sums, "param_norms": norms})
-        self.store.set_json("done", {"steps": steps})
+        self.mirror.set_json("done", {"steps": steps})
 
     def close(self) -> None:
         self.sink.close()

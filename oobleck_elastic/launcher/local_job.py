@@ -1,0 +1,240 @@
+"""A whole job on this machine (`--oobleck-local-nodes N`): hosts the membership store (or
+uses the etcd server that `--rdzv-conf store=etcd` and `--rdzv-endpoint` name), starts N node
+agents, each in its own process group so a node can be killed as a unit, and watches the run
+through the store: one progress line per interval, one line per reconfiguration, nodes added at
+the steps asked for, a dead agent marked dead at once, a stop on SIGTERM or Ctrl-C.
+
+Each node is `python -m oobleck_elastic.launch --oobleck-node ...` (launcher/node.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from oobleck_elastic.config import JobConfig
+from oobleck_elastic.launcher.node import with_job_settings
+
+__all__ = ["run_local_job", "node_command"]
+
+
+def _progress_line(rec: dict, first: tuple[float, int]) -> str:
+    """One line per interval; the ETA extrapolates the steps seen since the first one."""
+    step, total = rec["step"] + 1, rec.get("total_steps", 0)
+    seen_at, seen_step = first
+    done = step - seen_step
+    eta = f"{(time.monotonic() - seen_at) / done * (total - step):5.0f} s" if done > 0 else "    ? s"
+    return (f"step {step:>5}/{total}  loss {rec['loss']:.4f}  {rec['samples_per_s']:8.1f} samples/s  "
+            f"gen {rec['generation']}  {rec['nodes']} nodes  {rec['num_pipelines']} pipelines "
+            f"{rec['pipelines']}  ETA {eta}")
+
+
+def _recovery_line(rec: dict) -> str:
+    what = " ".join(filter(None, [f"lost node(s) {rec['lost']}" if rec["lost"] else "",
+                                  f"joined node(s) {rec['joined']}" if rec["joined"] else ""]))
+    phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in rec["phases_s"].items())
+    return (f"reconfigured -> generation {rec['generation']}: {what} at step {rec['step'] + 1}, "
+            f"{rec['total_s']:.2f} s ({phases}), {rec['transfers']} layer copies "
+            f"({rec['bytes_moved'] / 2**20:.1f} MiB); " + "; ".join(rec["actions"]))
+
+
+def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> None:
+    """A node whose agent process exited before the run is done is dead: say so in the store
+    at once (faster than its lease expiring)."""
+    from oobleck_elastic.elastic.protocol import Protocol
+
+    if store.try_get_json("done"):
+        return
+    for k, p in enumerate(procs):
+        if k in dead or p.poll() is None or p.returncode == 0:  # 0: it finished (a stop, the end)
+            continue
+        dead.add(k)
+        node = _node_of_pid(store, p.pid)
+        if node is not None:
+            Protocol(store).mark_dead(node, f"agent exited with {p.returncode}")
+            print(f"oobleck: node {node} died (agent exit code {p.returncode})", flush=True)
+
+
+def _node_of_pid(store, pid: int) -> int | None:
+    """The newest node id registered by agent `pid` (a node whose workers torch restarted
+    registers again under a new id)."""
+    for node in reversed(range(store.add("nodes/next", 0))):
+        info = store.try_get_json(f"nodes/{node}")
+        if info and info.get("pid") == pid:
+            return node
+    return None
+
+
+def _local_store(args: argparse.Namespace, run_id: str):
+    """The membership store of a local job: hosted here (embedded), or on the etcd server that
+    `--rdzv-conf store=etcd` and `--rdzv-endpoint` name. Returns it and the nodes' endpoint."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    from oobleck_elastic.elastic.rendezvous import store_kind
+    from oobleck_elastic.elastic.store import connect_store, host_store
+
+    if store_kind(_parse_rendezvous_config(args.rdzv_conf)) == "etcd":
+        endpoint = args.rdzv_endpoint or "127.0.0.1:2379"
+        return connect_store(f"etcd://{endpoint}", run_id), endpoint
+    port = int(args.rdzv_endpoint.rpartition(":")[2]) if args.rdzv_endpoint else 0
+    store = host_store("127.0.0.1", port, run_id)
+    return store, f"127.0.0.1:{store.port}"
+
+
+class _StopOnSignal:
+    """SIGTERM or Ctrl-C: the first asks the run to stop after its current step (Note: [stop on
+    request] in elastic/agent.py), the second kills the nodes. The handler only takes note; the
+    launcher's loop writes the request (no store call from inside a signal handler)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.sent = False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def publish(self, store) -> None:
+        if self.signal is None or self.sent:
+            return
+        from oobleck_elastic.elastic.protocol import Protocol
+
+        Protocol(store).request_stop(f"the launcher ({self.signal})")
+        self.sent = True
+        print(f"oobleck: {self.signal}: stopping after the current step and writing a checkpoint "
+              "(again to kill the nodes now)", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def node_command(args: argparse.Namespace, cfg: JobConfig | None, endpoint: str, run_id: str) -> list[str]:
+    """The command of one node of the local job: the launcher again, as one node, with the job's
+    rendezvous settings in --rdzv-conf (launcher/node.py)."""
+    nodes = args.oobleck_local_nodes
+    most = nodes + len(args.oobleck_add_node_at_step)
+    return [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}:{most}",
+            f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-conf={with_job_settings(args.rdzv_conf, cfg)}", f"--rdzv-id={run_id}",
+            f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
+            *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
+
+
+def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
+    """Runs the job of `args` (the launcher's parsed flags: --oobleck-local-nodes, --nproc-per-node,
+    --rdzv-*, --max-restarts, --oobleck-add-node-at-step, --oobleck-log-dir, -v and the training
+    script with its arguments) to its end; `cfg` is the job's configuration when the script
+    takes one. Returns the launcher's exit status: 0 when the run finished or stopped on request."""
+    nodes = args.oobleck_local_nodes
+    run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
+    store, endpoint = _local_store(args, run_id)
+    os.makedirs(args.oobleck_log_dir, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    base = node_command(args, cfg, endpoint, run_id)
+    procs, logs = [], []
+
+    def start_node() -> None:
+        k = len(procs)
+        log = None if args.verbose else open(os.path.join(args.oobleck_log_dir, f"node{k}.log"), "w")  # noqa: SIM115
+        logs.append(log)
+        procs.append(subprocess.Popen(base, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                      start_new_session=True))
+
+    pending_adds = sorted(args.oobleck_add_node_at_step)
+    print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
+          f"{store.url}; node logs in {args.oobleck_log_dir}/", flush=True)
+    for _ in range(nodes):
+        start_node()
+    started = time.monotonic()
+    first: tuple[float, int] | None = None
+    last_step = -1
+    interval = cfg.monitoring.log_interval if cfg else 1
+    generation = 0
+    finished_at = None
+    dead: set[int] = set()
+    resumed = None
+    stopper = _StopOnSignal()
+    try:
+        while any(p.poll() is None for p in procs):
+            stopper.publish(store)
+            _mark_dead_nodes(store, procs, dead)
+            rec = store.try_get_json("progress")
+            if rec and rec["step"] != last_step:
+                first = first or (time.monotonic(), rec["step"] + 1)
+                # a line whenever a multiple of the interval was passed: polling may skip steps
+                if (rec["step"] + 1) // interval > (last_step + 1) // interval or rec["step"] + 1 == rec["total_steps"]:
+                    if resumed is None and (resumed := store.try_get_json("resumed") or {}):
+                        print(f"oobleck: resumed from step {resumed['step']} (the checkpoint of run "
+                              f"{resumed['from_run']} in {resumed['checkpoint_dir']})", flush=True)
+                    print(_progress_line(rec, first), flush=True)
+                last_step = rec["step"]
+                while pending_adds and rec["step"] + 1 >= pending_adds[0]:
+                    pending_adds.pop(0)
+                    start_node()
+                    print(f"oobleck: starting one more node (agent {procs[-1].pid}); it joins when ready",
+                          flush=True)
+            # One record per recovery, named by the generation it ended in (a recovery that
+            # spans several generations, after a failure during the recovery, has one record).
+            latest = (store.try_get_json("generation") or {}).get("generation", generation)
+            for g in range(generation + 1, latest + 1):
+                if recovery := store.try_get_json(f"recovery/{g}"):
+                    generation = g
+                    print(_recovery_line(recovery), flush=True)
+            if len(dead) == len(procs):
+                break
+            if store.try_get_json("done") is not None:
+                # Nodes left out of the last generation (hung, fenced) never finish on their own.
+                members = set(store.try_get_json("generation")["nodes"])
+                for p in procs:
+                    if p.poll() is None and _node_of_pid(store, p.pid) not in members:
+                        os.killpg(p.pid, signal.SIGKILL)
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > 30:
+                    stuck = [p.pid for p in procs if p.poll() is None]
+                    print(f"oobleck: the run is done but agent(s) {stuck} did not exit; stopping them",
+                          file=sys.stderr)
+                    break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        print("interrupted: killing every node", file=sys.stderr)
+    finally:
+        stopper.restore()
+        for p in procs:  # what is left is stuck or was interrupted twice (a SIGTERM would ask for a stop)
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            if log:
+                log.close()
+    failed = [k for k, p in enumerate(procs) if p.returncode != 0]
+    done = store.try_get_json("done")
+    if not done:
+        print(f"oobleck: the job did not finish; node logs (by start order): "
+              f"{', '.join(f'{args.oobleck_log_dir}/node{k}.log' for k in failed)}", file=sys.stderr)
+        for k in failed:
+            if args.verbose:
+                break
+            lines = open(os.path.join(args.oobleck_log_dir, f"node{k}.log")).read().splitlines()
+            errors = [line for line in lines if line.startswith("error:")]
+            if errors:
+                print(f"  {errors[-1]}", file=sys.stderr)
+                break
+        return 1
+    if done.get("stopped"):
+        print(f"oobleck: stopped on request after step {done['steps']}; its checkpoint is in {done['checkpoint_dir']}: "
+              "run the same command to resume from it")
+        return 0
+    print(f"oobleck: finished {done['steps']} steps in {time.monotonic() - started:.1f} s")
+    if cfg:
+        print(f"  metrics log: {cfg.monitoring.metrics_path}")
+        print(f"  TensorBoard: tensorboard --logdir {cfg.monitoring.tensorboard_dir}  "
+              "(then open http://localhost:6006)")
+    return 0

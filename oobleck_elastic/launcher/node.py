@@ -1,0 +1,74 @@
+"""One node of a job: the oobleck agent with the oobleck rendezvous, built from torchrun's
+parsed flags (what `torchrun --rdzv-backend=oobleck` would run on this machine).
+
+Settings of the job that the rendezvous needs (the lease's heartbeat) travel in torchrun's
+`--rdzv-conf`, the way stock torchrun passes them: `with_job_settings` adds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+from torch.distributed.launcher.api import LaunchConfig
+from torch.distributed.run import config_from_args
+
+from oobleck_elastic.config import JobConfig
+
+__all__ = ["run_node", "rendezvous_parameters", "with_job_settings"]
+
+logger = logging.getLogger(__name__)
+
+
+def with_job_settings(rdzv_conf: str, cfg: JobConfig | None) -> str:
+    """`--rdzv-conf` plus the rendezvous settings of the job (heartbeat_interval from
+    elastic.heartbeat_interval_s); one given in `rdzv_conf` itself wins."""
+    if cfg is None or "heartbeat_interval" in _parse_rendezvous_config(rdzv_conf):
+        return rdzv_conf
+    return ",".join(filter(None, [rdzv_conf, f"heartbeat_interval={cfg.elastic.heartbeat_interval_s}"]))
+
+
+def rendezvous_parameters(args: argparse.Namespace
+                          ) -> tuple[LaunchConfig, Callable | str, list[str], RendezvousParameters]:
+    """torchrun's launch config, the worker command and the oobleck rendezvous's parameters
+    from the node's parsed flags."""
+    args.rdzv_backend = "static"  # config_from_args checks only torch's own backends
+    config, cmd, cmd_args = config_from_args(args)
+    params = RendezvousParameters(backend="oobleck", endpoint=args.rdzv_endpoint, run_id=args.rdzv_id,
+                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes, **config.rdzv_configs)
+    return config, cmd, cmd_args, params
+
+
+def run_node(args: argparse.Namespace, cfg: JobConfig | None = None) -> int:
+    """One node: the oobleck agent with the oobleck rendezvous (what torchrun would run);
+    `cfg`, the job's configuration when the launcher read it, adds its rendezvous settings."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+
+    from oobleck_elastic.elastic.agent import OobleckAgent
+    from oobleck_elastic.elastic.rendezvous import create_handler
+
+    args.rdzv_conf = with_job_settings(args.rdzv_conf, cfg)
+    config, cmd, cmd_args, params = rendezvous_parameters(args)
+    handler = create_handler(params)
+    spec = WorkerSpec(role="trainer", local_world_size=config.nproc_per_node, entrypoint=cmd,
+                      args=tuple(cmd_args), rdzv_handler=handler, max_restarts=config.max_restarts,
+                      monitor_interval=config.monitor_interval, master_addr=handler.store.host,
+                      master_port=handler.store.port)
+    agent = OobleckAgent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
+                         exit_barrier_timeout=60)
+    try:
+        result = agent.run()
+    finally:
+        try:
+            handler.shutdown()
+        except Exception as exc:  # the store's host may be gone; leaving is best effort
+            logger.warning("[node %s] could not leave the rendezvous cleanly: %s", handler.node, exc)
+    if result.is_failed():
+        for rank, failure in result.failures.items():
+            print(f"[node {handler.node}] worker {rank} failed: exit code {failure.exitcode}", file=sys.stderr)
+        return 1
+    return 0
