@@ -29,7 +29,8 @@ from oobleck_elastic.planning import (
 )
 from oobleck_elastic.planning.cost import Cluster
 from oobleck_elastic.runtime.data import SampleOrder
-from oobleck_elastic.runtime.layers import LayerState, lr_factor
+from oobleck_elastic.runtime.layers import LayerState
+from oobleck_elastic.runtime.lr import lr_factor
 from oobleck_elastic.runtime.model import materialize_layer
 from oobleck_elastic.runtime.plan import GenerationPlan
 

@@ -91,7 +91,6 @@ def test_the_store_host_stays_up_while_other_nodes_train_beyond_its_join_timeout
     fenced, say); it must keep the store up as long as another node's lease moves, not only
     for its join timeout, and stop once that node has left."""
     import threading
-    import time
 
     from oobleck_elastic.elastic.protocol import Heartbeat
 

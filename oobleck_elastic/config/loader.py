@@ -21,13 +21,13 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {os.fspath(path)!r} does not exist") from None
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {os.fspath(path)!r} does not exist") from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{os.fspath(path)}: YAML syntax error{where}: {problem}") from None
+        raise ConfigError(f"{os.fspath(path)}: YAML syntax error{where}: {problem}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):

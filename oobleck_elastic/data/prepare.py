@@ -54,9 +54,9 @@ def _load_tokenizer(directory: str) -> Any:
                           "tokenizer was saved to with save_pretrained()")
     try:
         from transformers import AutoTokenizer  # deferred: an optional dependency
-    except ImportError:
+    except ImportError as exc:
         raise ConfigError(
-            "preparing data needs transformers: pip install 'oobleck_elastic[hf]'") from None
+            "preparing data needs transformers: pip install 'oobleck_elastic[hf]'") from exc
     try:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -73,7 +73,7 @@ def _documents(tokenizer: Any, paths: Sequence[str], dtype: str) -> Iterable[np.
                 text = f.read()
         except UnicodeDecodeError as exc:
             raise ConfigError(
-                f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+                f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
         # verbose=False: a whole document is longer than model_max_length by design here.
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if k and eos is not None:

@@ -47,6 +47,6 @@ class OobleckAgent(LocalElasticAgent):
         if self._stop_requested:  # torch's shutdown sends the workers this signal: SIGKILL, not SIGTERM
             raise SignalException("a second SIGTERM: killing the workers", sigval=signal.SIGKILL)
         self._stop_requested = True
-        logger.warning("[node %s] SIGTERM: the run stops after its current step and writes a checkpoint "
-                       "(a second SIGTERM kills the workers)", handler.node)
+        handler.log.warning("SIGTERM: the run stops after its current step and writes a checkpoint "
+                            "(a second SIGTERM kills the workers)")
         Protocol(handler.store).request_stop(f"node {handler.node}'s agent (SIGTERM)")

@@ -62,11 +62,11 @@ class EtcdStore(MembershipStore):
         except etcd.EtcdConnectionFailed as exc:
             raise StoreUnreachable(
                 f"etcd at {self.host}:{self.port} is unreachable ({str(exc)[:120]}); start it with "
-                "--enable-v2 (the v2 API python-etcd speaks) or fix --rdzv-endpoint") from None
+                "--enable-v2 (the v2 API python-etcd speaks) or fix --rdzv-endpoint") from exc
         except etcd.EtcdException as exc:
             raise StoreUnreachable(
                 f"etcd at {self.host}:{self.port} failed a request ({type(exc).__name__}: {' '.join(str(exc).split())[:120]}); "
-                "is its v2 API on (etcd --enable-v2)?") from None
+                "is its v2 API on (etcd --enable-v2)?") from exc
 
     def set_json(self, key: str, value: Any) -> None:
         self._call(self._client.write, self._key(key), json.dumps(value))

@@ -5,8 +5,7 @@ store), and the pipeline templates planned from it (the same on every worker).""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oobleck_elastic.config import JobConfig
@@ -18,7 +17,7 @@ from oobleck_elastic.runtime.checkpoint import plain
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.profiler import load_or_profile
 
-__all__ = ["WorkerIdentity", "WorkerLog", "job_description", "plan_run"]
+__all__ = ["WorkerIdentity", "job_description", "plan_run"]
 
 LOCAL_KEYS = ("planner.profile_dir", "planner.profile_iterations", "checkpoint.dir")
 """A machine's own paths and its profiling effort may differ between nodes."""
@@ -32,20 +31,6 @@ class WorkerIdentity:
     node: int
     local_rank: int
     local_world_size: int
-
-
-class WorkerLog(logging.LoggerAdapter):
-    """A worker's logger: every line says who speaks, `[run | gen g | node n | rank r]` (torchft's
-    style), so one node's log reads alone. `generation()`: the current one, None before the first."""
-
-    def __init__(self, logger: logging.Logger, who: WorkerIdentity, generation: Callable[[], int | None]) -> None:
-        super().__init__(logger, {})
-        self.who, self.generation = who, generation
-
-    def process(self, msg: object, kwargs: MutableMapping) -> tuple[str, MutableMapping]:
-        g = self.generation()
-        who = self.who
-        return f"[{who.run_id} | gen {'-' if g is None else g} | node {who.node} | rank {who.local_rank}] {msg}", kwargs
 
 
 def _flatten(prefix: str, value: object) -> dict[str, object]:

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+from oobleck_elastic.elastic.logs import agent_prefix
 from oobleck_elastic.elastic.records import DeadMark, GenerationRecord, Outcome, StepDecision
 from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError
@@ -336,7 +337,8 @@ class Heartbeat:
             except Exception as exc:  # a store hiccup must not end the lease: try again next beat
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:
-                    logger.warning("[node %d] lease renewal failed (%d in a row): %s", self.node, failures,
+                    logger.warning("[%s] lease renewal failed (%d in a row): %s",
+                                   agent_prefix(self.protocol.store.run_id, self.node), failures,
                                    str(exc).splitlines()[0][:160])
 
     def stop(self) -> None:

@@ -33,6 +33,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
+from oobleck_elastic.elastic.logs import Prefixed, agent_prefix
 from oobleck_elastic.elastic.protocol import Heartbeat, Protocol
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreAddressInUse, StoreUnreachable
@@ -64,6 +65,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
         self.node: int | None = None
+        self.log = Prefixed(logger, lambda: agent_prefix(self.store.run_id, self.node))
         self._heartbeat: Heartbeat | None = None
 
     def get_backend(self) -> str:
@@ -89,11 +91,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
             # wait for a lease, and come back as a new node that joins like any other.
             Protocol(self.store).mark_dead(self.node, "its agent restarted its workers")
             self._heartbeat.stop()
-            logger.warning("[node %d] workers restarted: rejoining the run as a new node", self.node)
+            self.log.warning("workers restarted: rejoining the run as a new node")
         self.node = self.store.register_node({"host": socket.gethostname(), "pid": os.getpid(),
                                               "heartbeat_s": self.heartbeat_interval})
         self._heartbeat = Heartbeat(self.store, self.node, self.heartbeat_interval)
-        logger.info("[node %d] registered at %s", self.node, self.store.url)
+        self.log.info("registered at %s", self.store.url)
         return self.node
 
     def _check_limits(self) -> None:
@@ -126,7 +128,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if node not in self.store.get_json("generation", self.timeout)["nodes"]:
             # Its workers start at once, get ready (profile, templates) and are admitted at a
             # step boundary (Protocol.ready_joiners).
-            logger.info("[node %d] joining the running job", node)
+            self.log.info("joining the running job")
         os.environ.update(OOBLECK_STORE=self.store.url, OOBLECK_RUN_ID=self.store.run_id,
                           OOBLECK_NODE_ID=str(node))
         if isinstance(self.store, EmbeddedStore):
@@ -163,7 +165,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             if self.hosting:
                 self._wait_for_others_to_leave()
         except (torch.distributed.DistError, StoreUnreachable) as exc:  # its host is gone
-            logger.warning("[node %d] could not leave the run cleanly: %s", self.node, str(exc).splitlines()[0])
+            self.log.warning("could not leave the run cleanly: %s", str(exc).splitlines()[0])
             return False
         return True
 
@@ -182,8 +184,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
             if not live:
                 return
             if not logged:
-                logger.warning("[node %d] keeping the membership store up for node(s) %s, which are still in the "
-                               "run", self.node, sorted(live))
+                self.log.warning("keeping the membership store up for node(s) %s, which are still in the run",
+                                 sorted(live))
                 logged = True
             time.sleep(0.1)
 

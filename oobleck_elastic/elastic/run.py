@@ -24,7 +24,8 @@ from oobleck_elastic.elastic.controller import (
     Admitted, Build, BuildFailed, Built, Controller, EvalDone, Evaluate, Exit, FencedOut, Finish, Finished, Grow, Join,
     Proposed, Recover, RunOver, Started, StepDone, StepFailed, Train,
 )
-from oobleck_elastic.elastic.job import WorkerIdentity, WorkerLog, job_description, plan_run
+from oobleck_elastic.elastic.job import WorkerIdentity, job_description, plan_run
+from oobleck_elastic.elastic.logs import Prefixed, worker_prefix
 from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
 from oobleck_elastic.monitoring.run_report import RunReport
@@ -56,14 +57,15 @@ class Run:
     def __init__(self, model: ModelSpec, dataset: Dataset, cfg: JobConfig, who: WorkerIdentity,
                  store: MembershipStore, fault=None, eval_dataset: Dataset | None = None) -> None:
         self.model, self.cfg, self.who, self.store, self.fault = model, cfg, who, store, fault
-        self.log = WorkerLog(logger, who, lambda: self.plan.generation if self.plan else None)
+        self.log = Prefixed(logger, lambda: worker_prefix(who.run_id, self.plan.generation if self.plan else None,
+                                                          who.node, who.local_rank))
         self.me = WorkerRef(who.node, who.local_rank)
         self.protocol = Protocol(store, cfg.elastic.lease_timeout_s)
         self.controller = Controller(cfg.train.steps, cfg.eval.interval)
         self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
                                fault=fault, eval_dataset=eval_dataset)
         self.checkpoints = RunCheckpoints(model, cfg, who.run_id, len(dataset),
-                                          f"{who.run_id} | node {who.node} | rank {who.local_rank}", self.protocol, fault)
+                                          worker_prefix(who.run_id, None, who.node, who.local_rank), self.protocol, fault)
         self.report: RunReport | None = None
         self.templates = None
         self.plan: GenerationPlan | None = None

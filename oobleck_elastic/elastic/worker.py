@@ -63,8 +63,10 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
         fault = FaultInjector.from_environ(who.node, store)
     run = Run(model, dataset, cfg, who, store, fault, eval_dataset if cfg.eval.interval else None)
 
+    standalone = alone is not None
+
     def stop(signum, frame) -> None:  # Note: [stop on request]: the run stops after its step
-        if alone is not None:
+        if standalone:
             run.stop_requested = True
         else:
             stop_or_die(who.node, who.local_world_size, lambda: setattr(run, "stop_requested", True))

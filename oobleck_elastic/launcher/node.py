@@ -66,7 +66,7 @@ def run_node(args: argparse.Namespace, cfg: JobConfig | None = None) -> int:
         try:
             handler.shutdown()
         except Exception as exc:  # the store's host may be gone; leaving is best effort
-            logger.warning("[node %s] could not leave the rendezvous cleanly: %s", handler.node, exc)
+            handler.log.warning("could not leave the rendezvous cleanly: %s", exc)
     if result.is_failed():
         for rank, failure in result.failures.items():
             print(f"[node {handler.node}] worker {rank} failed: exit code {failure.exitcode}", file=sys.stderr)

@@ -43,7 +43,7 @@ def _from_factory(path: Any, cfg: JobConfig) -> tuple[ModelSpec, Any | None]:
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"model.factory {path!r} cannot be imported: {exc}") from None
+        raise ConfigError(f"model.factory {path!r} cannot be imported: {exc}") from exc
     made = fn(cfg)
     spec, data = made if isinstance(made, tuple) else (made, None)
     if not isinstance(spec, ModelSpec):

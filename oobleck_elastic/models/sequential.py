@@ -83,7 +83,7 @@ def sequential_model(layers: nn.Sequential | Sequence[Entry], *, loss: Callable[
         try:
             ties.append(SharedParameter(tuple((index[n.split(".")[0]], n) for n in group)))
         except KeyError as exc:
-            raise ValueError(f"shared parameter {group}: no layer is named {exc.args[0]!r}") from None
+            raise ValueError(f"shared parameter {group}: no layer is named {exc.args[0]!r}") from exc
     if description is None:
         description = {"layers": [repr(e) if isinstance(e, nn.Module) else getattr(e, "__qualname__", repr(e))
                                   for e in entries]}

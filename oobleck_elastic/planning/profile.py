@@ -98,8 +98,8 @@ class ModelProfile:
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-        except FileNotFoundError:
-            raise ProfileError(f"profile file {os.fspath(path)!r} does not exist") from None
+        except FileNotFoundError as exc:
+            raise ProfileError(f"profile file {os.fspath(path)!r} does not exist") from exc
         except (OSError, json.JSONDecodeError) as exc:
             raise ProfileError(f"profile file {os.fspath(path)!r} is unreadable: {exc}") from exc
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:

@@ -227,10 +227,10 @@ def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str,
         try:
             with open(_layer_dir(partial, i) + ".sha256") as f:
                 sums.append(f.read().strip())
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
             raise OobleckError(f"checkpoint {partial}: layer {i}, written by another node, is not there; "
                                "checkpoint.dir must be a directory every node shares (a network file "
-                               "system), not a local one") from None
+                               "system), not a local one") from exc
     manifest = {"format": MANIFEST_FORMAT, "step": step, "run_id": ident.run_id, "digest": ident.digest,
                 "job": dict(ident.job), "params": dict(ident.params), "layers": ident.num_layers,
                 "sha256": sums, "model": dict(model or {}), "time": time.time(),
@@ -361,7 +361,7 @@ def find_resume(root: str, ident: CheckpointId, *, load_step: int | None, max_st
         meta = read_manifest(root, step)
     except (OSError, ValueError) as exc:
         raise OobleckError(f"cannot resume from {where}: its {MANIFEST} is damaged or missing "
-                           f"({str(exc).splitlines()[0][:120]}); {how}") from None
+                           f"({str(exc).splitlines()[0][:120]}); {how}") from exc
     if meta.get("format") != MANIFEST_FORMAT:
         raise OobleckError(f"cannot resume from {where}: it was written by another version of oobleck_elastic "
                            f"(manifest format {meta.get('format')!r}, this one reads {MANIFEST_FORMAT}); {how}")

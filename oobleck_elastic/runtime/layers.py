@@ -9,17 +9,16 @@ counter) can be copied to another worker as one unit.
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from oobleck_elastic.config import LRScheduleConfig, TrainConfig
+from oobleck_elastic.config import TrainConfig
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer
 from oobleck_elastic.runtime.supported import optimizer_class
 
-__all__ = ["LayerState", "LayerStore", "flatten", "lr_factor", "unflatten"]
+__all__ = ["LayerState", "LayerStore", "flatten", "unflatten"]
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -31,21 +30,6 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of `flat` shaped like `like`, in order (the inverse of flatten)."""
     return [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in like]), like)]
-
-
-def lr_factor(schedule: LRScheduleConfig, step: int, total_steps: int) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based)."""
-    if schedule.warmup_steps and step < schedule.warmup_steps:
-        return (step + 1) / schedule.warmup_steps
-    if schedule.kind == "constant":
-        return 1.0
-    span = max(total_steps - schedule.warmup_steps, 1)
-    progress = min(max(step - schedule.warmup_steps, 0) / span, 1.0)
-    if schedule.kind == "cosine":
-        shape = 0.5 * (1 + math.cos(math.pi * progress))
-    else:
-        shape = 1 - progress
-    return schedule.min_ratio + (1 - schedule.min_ratio) * shape
 
 
 def _param_groups(named: list[tuple[str, nn.Parameter]], train: TrainConfig,

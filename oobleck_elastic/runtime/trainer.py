@@ -21,7 +21,8 @@ from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime.checkpoint import restore_layers
 from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
 from oobleck_elastic.runtime.generation import Generation
-from oobleck_elastic.runtime.layers import LayerStore, lr_factor
+from oobleck_elastic.runtime.layers import LayerStore
+from oobleck_elastic.runtime.lr import lr_factor
 from oobleck_elastic.runtime.model import ModelSpec, boundary_activations, layer_seed
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.supported import check_supported
