@@ -92,7 +92,7 @@ def test_the_store_host_stays_up_while_other_nodes_train_beyond_its_join_timeout
     for its join timeout, and stop once that node has left."""
     import threading
 
-    from oobleck_elastic.elastic.protocol import Heartbeat
+    from oobleck_elastic.elastic.rendezvous import Heartbeat
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,7 +100,7 @@ def test_the_store_host_stays_up_while_other_nodes_train_beyond_its_join_timeout
     host = handler(port, "hostleaves", (1, 2), heartbeat_interval="0.1")  # join_timeout 5 s
     host.timeout = 1.0
     host.next_rendezvous()
-    other = host.store.register_node({"host": "elsewhere"})
+    other = host.protocol.register({"host": "elsewhere"})
     beating = Heartbeat(host.store, other, 0.1)
     done = threading.Event()
     leaving = threading.Thread(target=lambda: (host.shutdown(), done.set()), daemon=True)

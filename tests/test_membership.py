@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from oobleck_elastic.elastic.protocol import Heartbeat, Protocol
+from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.rendezvous import Heartbeat
 from oobleck_elastic.elastic.records import Outcome, StepDecision
 from oobleck_elastic.elastic.store import host_store
 
@@ -38,7 +39,7 @@ def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_one
 def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
     store = host_store("127.0.0.1", 0, "joiners")
     for node in range(6):
-        store.register_node({"host": "h"})
+        Protocol(store).register({"host": "h"})
     for node in (3, 4, 5):
         Protocol(store).report_ready(node, 1)
     store.set_json("nodes/4/dead", {"why": "test"})
@@ -53,7 +54,7 @@ def test_a_joining_node_is_ready_when_all_its_workers_are():
     its sibling was still planning."""
     store = host_store("127.0.0.1", 0, "readyall")
     for node in range(2):
-        store.register_node({"host": "h"})
+        Protocol(store).register({"host": "h"})
     Protocol(store).report_ready(1, 2)
     assert Protocol(store).ready_joiners([0]) == []
     Protocol(store).report_ready(1, 2)
@@ -65,7 +66,7 @@ def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
     admitted: its lease stands still (issue 10, item 4)."""
     store = host_store("127.0.0.1", 0, "deadjoiner")
     for node in range(3):
-        store.register_node({"host": "h"})
+        Protocol(store).register({"host": "h"})
         Protocol(store).report_ready(node, 1)
     beating = Heartbeat(store, 2, interval=0.05)
     watcher = Protocol(store, lease_timeout=0.5)

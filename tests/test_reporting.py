@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.monitoring.run_report import RunReport
+from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import host_store
 from oobleck_elastic.planning import build_instantiation
 from oobleck_elastic.runtime.plan import GenerationPlan
@@ -16,14 +17,9 @@ from oobleck_elastic.runtime.trainer import StepStats
 from runtime_harness import templates_for
 
 
-class GlitchingStore:
-    def __init__(self, inner):
-        self.inner = inner
-
-    def set_json(self, key, value):
-        if key == "progress":
-            raise dist.DistStoreError("Socket Timeout")
-        self.inner.set_json(key, value)
+class GlitchingProtocol(Protocol):
+    def publish_progress(self, record):
+        raise dist.DistStoreError("Socket Timeout")
 
 
 def test_a_store_error_on_the_progress_mirror_does_not_fail_the_step(tmp_path):
@@ -32,25 +28,11 @@ def test_a_store_error_on_the_progress_mirror_does_not_fail_the_step(tmp_path):
     ts = templates_for(4, 2)
     plan = GenerationPlan(generation=0, start_step=0, workers_per_node=1, templates=ts,
                           instantiation=build_instantiation([ts.get(1), ts.get(1)], [(0,), (1,)], 32, 4))
-    report = RunReport(cfg, GlitchingStore(host_store("127.0.0.1", 0, "glitch")), 4)
+    report = RunReport(cfg, GlitchingProtocol(host_store("127.0.0.1", 0, "glitch")), 4)
     report.step(StepStats(step=0, loss=1.5, samples=32, grad_norm=0.1, seconds=0.2, tokens=64, lr=1e-3), plan)
     report.close()
     (line,) = (tmp_path / "m.jsonl").read_text().splitlines()
     assert json.loads(line)["step"] == 0 and json.loads(line)["tokens_per_s"] == 320.0
-
-
-class DictMirror:
-    """The launcher's mirror as a dict: RunReport needs no membership store (monitoring does
-    not import elastic)."""
-
-    def __init__(self):
-        self.values = {}
-
-    def set_json(self, key, value):
-        self.values[key] = value
-
-    def try_get_json(self, key):
-        return self.values.get(key)
 
 
 def test_the_report_mirrors_progress_recoveries_and_the_end_for_the_launcher(tmp_path):
@@ -59,7 +41,7 @@ def test_the_report_mirrors_progress_recoveries_and_the_end_for_the_launcher(tmp
     ts = templates_for(4, 2)
     plan = GenerationPlan(generation=1, start_step=1, workers_per_node=1, templates=ts,
                           instantiation=build_instantiation([ts.get(1), ts.get(1)], [(0,), (1,)], 32, 4))
-    mirror = DictMirror()
+    mirror = Protocol(host_store("127.0.0.1", 0, "mirror"))  # what the launcher reads
     report = RunReport(cfg, mirror, 4)
     report.recovery(plan=plan, record={"cause": "lost"}, first_generation=0, before={0, 1, 2}, transfers=[],
                     phases={"build": 0.1}, total_s=0.3, failed_at=None, first_failure=None)
@@ -68,8 +50,8 @@ def test_the_report_mirrors_progress_recoveries_and_the_end_for_the_launcher(tmp
     report.catch_up(stats, plan)  # published: not twice
     report.final(2, [0.0], [1.0])
     report.close()
-    assert mirror.values["progress"]["step"] == 1 and mirror.values["progress"]["samples_per_s"] == 64.0
-    assert mirror.values["recovery/1"]["lost"] == [2] and mirror.values["recovery/1"]["phases_s"]["replay"] == 0.5
-    assert mirror.values["done"] == {"steps": 2}
+    assert mirror.progress()["step"] == 1 and mirror.progress()["samples_per_s"] == 64.0
+    assert mirror.recovery(1)["lost"] == [2] and mirror.recovery(1)["phases_s"]["replay"] == 0.5
+    assert mirror.done() == {"steps": 2}
     events = [json.loads(line).get("event", "step") for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert events == ["recovery", "step", "final"]

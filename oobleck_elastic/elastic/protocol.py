@@ -33,17 +33,15 @@ Note: [roll call]
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from oobleck_elastic.elastic.logs import agent_prefix
 from oobleck_elastic.elastic.records import DeadMark, GenerationRecord, Outcome, StepDecision
 from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError
 
-__all__ = ["Fenced", "Heartbeat", "Protocol", "StepAborted", "WaitTimeout", "wait_until"]
+__all__ = ["Fenced", "Protocol", "StepAborted", "WaitTimeout", "wait_until"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +117,7 @@ class Protocol:
         return self.store.get_json("profile", timeout)
 
     def finished(self) -> bool:
-        return self.store.try_get_json("done") is not None
+        return self.done() is not None
 
     # --- generations --------------------------------------------------------------------------
 
@@ -318,28 +316,74 @@ class Protocol:
     def renew_lease(self, node: int) -> None:
         self.store.add(f"lease/{node}", 1)
 
+    def record_kill(self, node: int, record: dict) -> None:
+        """A fault injector's kill (the first sign of the failure, for `failed_at`)."""
+        self.store.set_json(f"faults/{node}", record)
 
-class Heartbeat:
-    """An agent's lease: renewed every `interval` seconds by a daemon thread."""
+    # --- nodes, for agents and the launcher ---------------------------------------------------
 
-    def __init__(self, store: MembershipStore, node: int, interval: float) -> None:
-        self.protocol, self.node, self.interval = Protocol(store), node, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"oobleck-heartbeat-{node}", daemon=True)
-        self._thread.start()
+    def register(self, info: dict[str, object]) -> int:
+        """A new node id (an agent's), with what it says of itself (host, pid, heartbeat)."""
+        node = self.store.add("nodes/next", 1) - 1
+        self.store.set_json(f"nodes/{node}", info)
+        return node
 
-    def _run(self) -> None:
-        failures = 0
-        while not self._stop.wait(self.interval):
-            try:
-                self.protocol.renew_lease(self.node)
-                failures = 0
-            except Exception as exc:  # a store hiccup must not end the lease: try again next beat
-                failures += 1
-                if failures in (1, 10) or failures % 100 == 0:
-                    logger.warning("[%s] lease renewal failed (%d in a row): %s",
-                                   agent_prefix(self.protocol.store.run_id, self.node), failures,
-                                   str(exc).splitlines()[0][:160])
+    def registered(self) -> int:
+        return self.store.add("nodes/next", 0)
 
-    def stop(self) -> None:
-        self._stop.set()
+    def node_info(self, node: int) -> dict | None:
+        return self.store.try_get_json(f"nodes/{node}")
+
+    def limits(self) -> dict | None:
+        return self.store.try_get_json("limits")
+
+    def begin(self, min_nodes: int, max_nodes: int) -> None:
+        """The run's limits and generation 0's bare record (its first members), once."""
+        self.store.create_json("limits", {"min_nodes": min_nodes, "max_nodes": max_nodes})
+        self.store.create_json("generation", GenerationRecord(generation=0, nodes=tuple(range(min_nodes))).to_json())
+
+    def begun(self) -> bool:
+        return self.store.try_get_json("generation") is not None
+
+    def try_pointer(self) -> GenerationRecord | None:
+        data = self.store.try_get_json("generation")
+        return None if data is None else GenerationRecord.from_json(data)
+
+    def leave(self, node: int) -> None:
+        self.store.set_json(f"nodes/{node}/left", True)
+
+    def has_left(self, node: int) -> bool:
+        return self.store.try_get_json(f"nodes/{node}/left") is not None
+
+    def close(self) -> None:
+        self.store.set_json("closed", True)
+
+    def closed(self) -> bool:
+        return self.store.try_get_json("closed") is not None
+
+    # --- the reporting worker's mirror, read by the launcher ----------------------------------
+
+    def publish_progress(self, record: dict) -> None:
+        self.store.set_json("progress", record)
+
+    def progress(self) -> dict | None:
+        return self.store.try_get_json("progress")
+
+    def publish_recovery(self, record: dict) -> None:
+        self.store.set_json(f"recovery/{record['generation']}", record)
+
+    def recovery(self, generation: int) -> dict | None:
+        return self.store.try_get_json(f"recovery/{generation}")
+
+    def publish_resumed(self, record: dict) -> None:
+        self.store.set_json("resumed", record)
+
+    def resumed(self) -> dict | None:
+        return self.store.try_get_json("resumed")
+
+    def publish_done(self, record: dict) -> None:
+        self.store.set_json("done", record)
+
+    def done(self) -> dict | None:
+        """The run's end record (steps, and whether it stopped on request), or None."""
+        return self.store.try_get_json("done")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch.distributed
@@ -34,8 +35,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from oobleck_elastic.elastic.logs import Prefixed, agent_prefix
-from oobleck_elastic.elastic.protocol import Heartbeat, Protocol
-from oobleck_elastic.elastic.records import GenerationRecord
+from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreAddressInUse, StoreUnreachable
 from oobleck_elastic.errors import ConfigError
 
@@ -60,6 +60,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def __init__(self, store: MembershipStore, *, min_nodes: int, max_nodes: int, timeout: float,
                  heartbeat_interval: float = 0.5) -> None:
         self.store = store
+        self.protocol = Protocol(store)
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.timeout = timeout
@@ -81,7 +82,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return isinstance(self.store, EmbeddedStore) and self.store.is_master
 
     def _register(self) -> int:
-        if self.node is None and self.store.try_get_json("done") is not None:
+        if self.node is None and self.protocol.finished():
             raise RendezvousError(
                 f"run '{self.store.run_id}' at {self.store.url} has already finished; give each job its "
                 "own --rdzv-id (a run's records stay in the store)")
@@ -89,11 +90,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
             # torch's agent restarts this node's workers (one of them exited, and it stopped
             # the others): the run has lost them. Say so at once, so the survivors need not
             # wait for a lease, and come back as a new node that joins like any other.
-            Protocol(self.store).mark_dead(self.node, "its agent restarted its workers")
+            self.protocol.mark_dead(self.node, "its agent restarted its workers")
             self._heartbeat.stop()
             self.log.warning("workers restarted: rejoining the run as a new node")
-        self.node = self.store.register_node({"host": socket.gethostname(), "pid": os.getpid(),
-                                              "heartbeat_s": self.heartbeat_interval})
+        self.node = self.protocol.register({"host": socket.gethostname(), "pid": os.getpid(),
+                                            "heartbeat_s": self.heartbeat_interval})
         self._heartbeat = Heartbeat(self.store, self.node, self.heartbeat_interval)
         self.log.info("registered at %s", self.store.url)
         return self.node
@@ -103,7 +104,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         on one endpoint with torchrun's default id `none`, say): it is refused before it
         registers. Nodes of jobs that differ in their config are refused by their workers
         (Protocol.check_same_job)."""
-        run = self.store.try_get_json("limits")
+        run = self.protocol.limits()
         if run is not None and (run["min_nodes"], run["max_nodes"]) != (self.min_nodes, self.max_nodes):
             raise RendezvousError(
                 f"this node was started with --nnodes={self.min_nodes}:{self.max_nodes}, but run "
@@ -114,18 +115,16 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if self.node is None:
             self._check_limits()
         node = self._register()
-        if self.store.try_get_json("generation") is None:
+        if not self.protocol.begun():
             deadline = time.monotonic() + self.timeout
-            while (registered := self.store.add("nodes/next", 0)) < self.min_nodes:
+            while (registered := self.protocol.registered()) < self.min_nodes:
                 if time.monotonic() > deadline:
                     raise RendezvousTimeoutError(
                         f"only {registered} of {self.min_nodes} nodes joined within {self.timeout:.0f} s; "
                         "start the other nodes with the same --rdzv-endpoint and --rdzv-id")
                 time.sleep(0.05)
-            self.store.create_json("limits", {"min_nodes": self.min_nodes, "max_nodes": self.max_nodes})
-            self.store.create_json("generation", GenerationRecord(generation=0,
-                                                                  nodes=tuple(range(self.min_nodes))).to_json())
-        if node not in self.store.get_json("generation", self.timeout)["nodes"]:
+            self.protocol.begin(self.min_nodes, self.max_nodes)
+        if node not in self.protocol.pointer(self.timeout).nodes:
             # Its workers start at once, get ready (profile, templates) and are admitted at a
             # step boundary (Protocol.ready_joiners).
             self.log.info("joining the running job")
@@ -139,10 +138,10 @@ class OobleckRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(private, 0, 1, bootstrap)
 
     def is_closed(self) -> bool:
-        return self.store.try_get_json("closed") is not None
+        return self.protocol.closed()
 
     def set_closed(self) -> None:
-        self.store.set_json("closed", True)
+        self.protocol.close()
 
     def num_nodes_waiting(self) -> int:
         return 0
@@ -159,9 +158,9 @@ class OobleckRendezvousHandler(RendezvousHandler):
         if isinstance(self.store, EmbeddedStore) and not self.hosting:
             self.store.set_timeout(10.0)  # leaving is best effort: never block for long
         try:
-            if self.store.try_get_json("done") is None:
-                Protocol(self.store).mark_dead(self.node, "its agent stopped before the run finished")
-            self.store.set_json(f"nodes/{self.node}/left", True)
+            if not self.protocol.finished():
+                self.protocol.mark_dead(self.node, "its agent stopped before the run finished")
+            self.protocol.leave(self.node)
             if self.hosting:
                 self._wait_for_others_to_leave()
         except (torch.distributed.DistError, StoreUnreachable) as exc:  # its host is gone
@@ -178,8 +177,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         watcher = Protocol(self.store, max(2.0, 4 * self.heartbeat_interval))
         logged = False
         while True:
-            nodes = range(self.store.add("nodes/next", 0))
-            staying = [n for n in nodes if self.store.try_get_json(f"nodes/{n}/left") is None]
+            staying = [n for n in range(watcher.registered()) if not watcher.has_left(n)]
             live = set(staying) - watcher.dead(staying)
             if not live:
                 return
@@ -188,6 +186,32 @@ class OobleckRendezvousHandler(RendezvousHandler):
                                  sorted(live))
                 logged = True
             time.sleep(0.1)
+
+
+class Heartbeat:
+    """An agent's lease: renewed every `interval` seconds by a daemon thread."""
+
+    def __init__(self, store: MembershipStore, node: int, interval: float) -> None:
+        self.protocol, self.node, self.interval = Protocol(store), node, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"oobleck-heartbeat-{node}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.interval):
+            try:
+                self.protocol.renew_lease(self.node)
+                failures = 0
+            except Exception as exc:  # a store hiccup must not end the lease: try again next beat
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning("[%s] lease renewal failed (%d in a row): %s",
+                                   agent_prefix(self.protocol.store.run_id, self.node), failures,
+                                   str(exc).splitlines()[0][:160])
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _free_port() -> int:

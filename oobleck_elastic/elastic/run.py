@@ -252,7 +252,7 @@ class Run:
     def _report_generation(self, record: GenerationRecord) -> None:
         plan = self.plan
         if plan.rank_of(self.me) == 0 and self.report is None:
-            self.report = RunReport(self.cfg, self.store, self.model.num_layers)
+            self.report = RunReport(self.cfg, self.protocol, self.model.num_layers)
             if self.last_step is not None:  # rank 0 died after a commit, maybe before its line
                 self.report.catch_up(*self.last_step)
         if self.report:

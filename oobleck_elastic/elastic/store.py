@@ -6,14 +6,7 @@ outlives any training node) implement it, and `connect_store` opens either from 
 agent hands its workers. Keys live under `oobleck/<run_id>/`; values are JSON (never pickle:
 the store is reachable over the network).
 
-Keys:
-    nodes/next         counter handing out node ids
-    nodes/<id>         {"host", "pid"} of a registered node
-    generation         {"generation", "nodes", "start_step"}: the current generation
-    limits             {"min_nodes", "max_nodes"} of the job (torchrun's --nnodes=MIN:MAX)
-    profile            the profile file every worker plans from (written once)
-    progress           the latest step record, for the launcher's progress line
-    done               set when training finished
+Which keys a run uses, and what they hold, is elastic/protocol.py's alone.
 """
 
 from __future__ import annotations
@@ -125,11 +118,6 @@ class MembershipStore(abc.ABC):
     @abc.abstractmethod
     def torch_store(self) -> dist.Store:
         """A torch Store for process groups (each generation prefixes it)."""
-
-    def register_node(self, info: dict[str, Any]) -> int:
-        node = self.add("nodes/next", 1) - 1
-        self.set_json(f"nodes/{node}", info)
-        return node
 
 
 class EmbeddedStore(MembershipStore):

@@ -16,6 +16,7 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.controller import MAX_REPLAYS_WITHOUT_LOSS
 from oobleck_elastic.testing.faults import FaultInjector
 from oobleck_elastic.elastic.process import check_lease, stop_or_die, watch_parent
+from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.elastic.job import WorkerIdentity
 from oobleck_elastic.elastic.run import Run
@@ -60,7 +61,7 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
     store = connect_store(url, who.run_id, timeout=cfg.elastic.join_timeout_s)
     if alone is None:
         check_lease(store, who.node, cfg)
-        fault = FaultInjector.from_environ(who.node, store)
+        fault = FaultInjector.from_environ(who.node, Protocol(store))
     run = Run(model, dataset, cfg, who, store, fault, eval_dataset if cfg.eval.interval else None)
 
     standalone = alone is not None

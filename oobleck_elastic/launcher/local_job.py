@@ -18,6 +18,7 @@ import time
 import uuid
 
 from oobleck_elastic.config import JobConfig
+from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.launcher.node import with_job_settings
 
 __all__ = ["run_local_job", "node_command"]
@@ -43,28 +44,26 @@ def _recovery_line(rec: dict) -> str:
             f"({rec['bytes_moved'] / 2**20:.1f} MiB); " + "; ".join(rec["actions"]))
 
 
-def _mark_dead_nodes(store, procs: list[subprocess.Popen], dead: set[int]) -> None:
+def _mark_dead_nodes(protocol: Protocol, procs: list[subprocess.Popen], dead: set[int]) -> None:
     """A node whose agent process exited before the run is done is dead: say so in the store
     at once (faster than its lease expiring)."""
-    from oobleck_elastic.elastic.protocol import Protocol
-
-    if store.try_get_json("done"):
+    if protocol.finished():
         return
     for k, p in enumerate(procs):
         if k in dead or p.poll() is None or p.returncode == 0:  # 0: it finished (a stop, the end)
             continue
         dead.add(k)
-        node = _node_of_pid(store, p.pid)
+        node = _node_of_pid(protocol, p.pid)
         if node is not None:
-            Protocol(store).mark_dead(node, f"agent exited with {p.returncode}")
+            protocol.mark_dead(node, f"agent exited with {p.returncode}")
             print(f"oobleck: node {node} died (agent exit code {p.returncode})", flush=True)
 
 
-def _node_of_pid(store, pid: int) -> int | None:
+def _node_of_pid(protocol: Protocol, pid: int) -> int | None:
     """The newest node id registered by agent `pid` (a node whose workers torch restarted
     registers again under a new id)."""
-    for node in reversed(range(store.add("nodes/next", 0))):
-        info = store.try_get_json(f"nodes/{node}")
+    for node in reversed(range(protocol.registered())):
+        info = protocol.node_info(node)
         if info and info.get("pid") == pid:
             return node
     return None
@@ -101,12 +100,10 @@ class _StopOnSignal:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
 
-    def publish(self, store) -> None:
+    def publish(self, protocol: Protocol) -> None:
         if self.signal is None or self.sent:
             return
-        from oobleck_elastic.elastic.protocol import Protocol
-
-        Protocol(store).request_stop(f"the launcher ({self.signal})")
+        protocol.request_stop(f"the launcher ({self.signal})")
         self.sent = True
         print(f"oobleck: {self.signal}: stopping after the current step and writing a checkpoint "
               "(again to kill the nodes now)", file=sys.stderr, flush=True)
@@ -136,6 +133,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     nodes = args.oobleck_local_nodes
     run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
     store, endpoint = _local_store(args, run_id)
+    protocol = Protocol(store)
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     base = node_command(args, cfg, endpoint, run_id)
@@ -164,14 +162,14 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
     stopper = _StopOnSignal()
     try:
         while any(p.poll() is None for p in procs):
-            stopper.publish(store)
-            _mark_dead_nodes(store, procs, dead)
-            rec = store.try_get_json("progress")
+            stopper.publish(protocol)
+            _mark_dead_nodes(protocol, procs, dead)
+            rec = protocol.progress()
             if rec and rec["step"] != last_step:
                 first = first or (time.monotonic(), rec["step"] + 1)
                 # a line whenever a multiple of the interval was passed: polling may skip steps
                 if (rec["step"] + 1) // interval > (last_step + 1) // interval or rec["step"] + 1 == rec["total_steps"]:
-                    if resumed is None and (resumed := store.try_get_json("resumed") or {}):
+                    if resumed is None and (resumed := protocol.resumed() or {}):
                         print(f"oobleck: resumed from step {resumed['step']} (the checkpoint of run "
                               f"{resumed['from_run']} in {resumed['checkpoint_dir']})", flush=True)
                     print(_progress_line(rec, first), flush=True)
@@ -183,18 +181,19 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
                           flush=True)
             # One record per recovery, named by the generation it ended in (a recovery that
             # spans several generations, after a failure during the recovery, has one record).
-            latest = (store.try_get_json("generation") or {}).get("generation", generation)
+            pointer = protocol.try_pointer()
+            latest = generation if pointer is None else pointer.generation
             for g in range(generation + 1, latest + 1):
-                if recovery := store.try_get_json(f"recovery/{g}"):
+                if recovery := protocol.recovery(g):
                     generation = g
                     print(_recovery_line(recovery), flush=True)
             if len(dead) == len(procs):
                 break
-            if store.try_get_json("done") is not None:
+            if protocol.finished():
                 # Nodes left out of the last generation (hung, fenced) never finish on their own.
-                members = set(store.try_get_json("generation")["nodes"])
+                members = set(protocol.current(10.0).nodes)
                 for p in procs:
-                    if p.poll() is None and _node_of_pid(store, p.pid) not in members:
+                    if p.poll() is None and _node_of_pid(protocol, p.pid) not in members:
                         os.killpg(p.pid, signal.SIGKILL)
                 finished_at = finished_at or time.monotonic()
                 if time.monotonic() - finished_at > 30:
@@ -215,7 +214,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
             if log:
                 log.close()
     failed = [k for k, p in enumerate(procs) if p.returncode != 0]
-    done = store.try_get_json("done")
+    done = protocol.done()
     if not done:
         print(f"oobleck: the job did not finish; node logs (by start order): "
               f"{', '.join(f'{args.oobleck_log_dir}/node{k}.log' for k in failed)}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """What a run reports: generation, step, recovery and final records, written by the worker
 that is global rank 0 to the metrics log and TensorBoard, and mirrored for the launcher
-(`progress`, `recovery/<g>`, `resumed`, `done`) through the `Mirror` it is given: the
-membership store, which this layer does not import (elastic sits above monitoring).
+(progress, recoveries, a resume, the end) through the `Mirror` it is given: the run's protocol
+on its membership store, which this layer does not import (elastic sits above monitoring).
 
 A recovery record waits for the first step of the new generation (the replayed one) so that
 it can carry that step's time; `flush_recovery()` writes it without when no step follows.
@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import OobleckError
@@ -32,12 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 class Mirror(Protocol):
-    """Where the launcher reads the run's progress: a key-value store of JSON values (the
-    membership store's `set_json`/`try_get_json`)."""
+    """Where the launcher reads the run's progress (the run's protocol on its membership store)."""
 
-    def set_json(self, key: str, value: Any) -> None: ...
-
-    def try_get_json(self, key: str) -> Any | None: ...
+    def publish_progress(self, record: dict) -> None: ...
+    def progress(self) -> dict | None: ...
+    def publish_recovery(self, record: dict) -> None: ...
+    def publish_resumed(self, record: dict) -> None: ...
+    def publish_done(self, record: dict) -> None: ...
 
 
 class StepRecord(Protocol):
@@ -112,14 +113,14 @@ class RunReport:
         self.sink.write(rec)
         self.throughput.append((stats.step, rec["samples_per_s"]))
         try:  # the launcher's mirror only: a store hiccup here must not fail a committed step
-            self.mirror.set_json("progress", rec)
+            self.mirror.publish_progress(rec)
         except (OobleckError, RuntimeError) as exc:  # torch's store errors are RuntimeErrors
             logger.warning("could not publish the progress of step %d: %s", stats.step, str(exc).splitlines()[0][:160])
 
     def catch_up(self, stats: StepRecord, plan: PlanRecord) -> None:
         """A new reporting worker (the last one died) writes the line of the last committed step
         if its predecessor died before it could: every worker holds the step's statistics."""
-        published = self.mirror.try_get_json("progress")
+        published = self.mirror.progress()
         if published is None or published["step"] < stats.step:
             self.step(stats, plan)
 
@@ -149,7 +150,7 @@ class RunReport:
         self.sink.write(rec)
         what = [f"{word} {rec[key]}" for word, key in (("lost", "lost"), ("joined", "joined")) if rec[key]]
         self.changes.append((rec["step"], ", ".join(what) or "replayed"))
-        self.mirror.set_json(f"recovery/{rec['generation']}", rec)
+        self.mirror.publish_recovery(rec)
 
     def evaluation(self, step: int, loss: float, tokens: int, *, perplexity: bool, seconds: float) -> None:
         """The eval loss after `step` steps (once, though a failure may make it run again)."""
@@ -166,7 +167,7 @@ class RunReport:
         rec = {"event": "resumed", "step": first["start_step"], "from_run": first["resumed"]["run_id"],
                "checkpoint_dir": directory, "time": time.time()}
         self.sink.write(rec)
-        self.mirror.set_json("resumed", rec)
+        self.mirror.publish_resumed(rec)
 
     def _throughput_figure(self, steps: int) -> None:
         """samples/s over the run with its membership changes, as throughput.png next to the
@@ -183,13 +184,13 @@ class RunReport:
         self.flush_recovery()
         self._throughput_figure(steps)
         self.sink.write({"event": "stopped", "steps": steps, "checkpoint_dir": directory, "time": time.time()})
-        self.mirror.set_json("done", {"steps": steps, "stopped": True, "checkpoint_dir": directory})
+        self.mirror.publish_done({"steps": steps, "stopped": True, "checkpoint_dir": directory})
 
     def final(self, steps: int, sums: list[float], norms: list[float]) -> None:
         self.flush_recovery()
         self._throughput_figure(steps)
         self.sink.write({"event": "final", "steps": steps, "param_sums": sums, "param_norms": norms})
-        self.mirror.set_json("done", {"steps": steps})
+        self.mirror.publish_done({"steps": steps})
 
     def close(self) -> None:
         self.sink.close()

@@ -40,10 +40,10 @@ AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fi
 
 
 class KillRecorder(Protocol):
-    """Where a kill is recorded: the membership store (duck-typed, so this module does not
+    """Where a kill is recorded: the run's protocol (duck-typed, so this module does not
     import elastic, which sits above it)."""
 
-    def set_json(self, key: str, value: object) -> None: ...
+    def record_kill(self, node: int, record: dict) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class FaultInjector:
         if fault is not None:
             record = {"time": time.time(), "node": self.node, "step": step, "phase": phase}
             if self.store is not None:
-                self.store.set_json(f"faults/{self.node}", record)
+                self.store.record_kill(self.node, record)
             log = os.environ.get("OOBLECK_FAULT_LOG")
             if log:  # when the kill happened, for benchmarks/recovery.py
                 with open(log, "a") as f:
