@@ -16,12 +16,13 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.launcher.node import with_job_settings
 
-__all__ = ["run_local_job", "node_command"]
+__all__ = ["LocalNodes", "run_local_job", "node_command"]
 
 
 def _progress_line(rec: dict, first: tuple[float, int]) -> str:
@@ -125,26 +126,54 @@ def node_command(args: argparse.Namespace, cfg: JobConfig | None, endpoint: str,
             *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
 
 
-def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
+class LocalNodes:
+    """The node processes of a local job, by start order k (node k's log is node<k>.log): the
+    launcher's loop watches them, and a chaos schedule (launcher/chaos.py) signals them."""
+
+    def __init__(self, command: list[str], log_dir: str, verbose: bool, protocol: Protocol) -> None:
+        self.command, self.log_dir, self.verbose, self.protocol = command, log_dir, verbose, protocol
+        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
+
+    def start(self) -> int:
+        """Starts one more node (its own process group, so it can be killed as a unit); its k."""
+        k = len(self.procs)
+        log = None if self.verbose else open(os.path.join(self.log_dir, f"node{k}.log"), "w")  # noqa: SIM115
+        self.logs.append(log)
+        self.procs.append(subprocess.Popen(self.command, env=self.env, stdout=log,
+                                           stderr=subprocess.STDOUT if log else None, start_new_session=True))
+        return k
+
+    def running(self) -> list[int]:
+        return [k for k, p in enumerate(self.procs) if p.poll() is None]
+
+    def signal(self, k: int, sig: signal.Signals) -> None:
+        """Sends `sig` to node k's whole process group (agent and workers), as a machine would
+        die (SIGKILL) or hang (SIGSTOP)."""
+        try:
+            os.killpg(self.procs[k].pid, sig)
+        except ProcessLookupError:  # it exited meanwhile
+            pass
+
+    def node_id(self, k: int) -> int | None:
+        return _node_of_pid(self.protocol, self.procs[k].pid)
+
+
+def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
+                  tick: Callable[[LocalNodes], None] | None = None) -> int:
     """Runs the job of `args` (the launcher's parsed flags: --oobleck-local-nodes, --nproc-per-node,
     --rdzv-*, --max-restarts, --oobleck-add-node-at-step, --oobleck-log-dir, -v and the training
     script with its arguments) to its end; `cfg` is the job's configuration when the script
-    takes one. Returns the launcher's exit status: 0 when the run finished or stopped on request."""
+    takes one. `tick`: called with the nodes on every turn of the loop (a chaos schedule).
+    Returns the launcher's exit status: 0 when the run finished or stopped on request."""
     nodes = args.oobleck_local_nodes
     run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
     store, endpoint = _local_store(args, run_id)
     protocol = Protocol(store)
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    base = node_command(args, cfg, endpoint, run_id)
-    procs, logs = [], []
-
-    def start_node() -> None:
-        k = len(procs)
-        log = None if args.verbose else open(os.path.join(args.oobleck_log_dir, f"node{k}.log"), "w")  # noqa: SIM115
-        logs.append(log)
-        procs.append(subprocess.Popen(base, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
-                                      start_new_session=True))
+    local = LocalNodes(node_command(args, cfg, endpoint, run_id), args.oobleck_log_dir, bool(args.verbose), protocol)
+    procs, logs, start_node = local.procs, local.logs, local.start
 
     pending_adds = sorted(args.oobleck_add_node_at_step)
     print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
@@ -164,6 +193,8 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None) -> int:
         while any(p.poll() is None for p in procs):
             stopper.publish(protocol)
             _mark_dead_nodes(protocol, procs, dead)
+            if tick is not None and not protocol.finished():
+                tick(local)
             rec = protocol.progress()
             if rec and rec["step"] != last_step:
                 first = first or (time.monotonic(), rec["step"] + 1)

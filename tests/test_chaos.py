@@ -1,0 +1,59 @@
+"""The chaos runner (oobleck_elastic/chaos.py): a short seeded run of the example job under
+kills, kills during recovery, two kills at once, hung nodes and replacements, all from outside
+the nodes, must end with the weights of a failure-free run and leave no process behind; and its
+report, read from a metrics log, counts exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jobs import SCRIPT, job_args
+from oobleck_elastic.launcher.chaos import ChaosConfig, Injection, chaos_report
+
+
+def test_the_report_counts_failures_recoveries_lost_time_and_redone_steps(tmp_path):
+    lines = [{"step": 0, "time": 10.0}, {"step": 1, "time": 11.0},
+             {"event": "recovery", "generation": 1, "restored_from": None, "lost": [1]},
+             {"event": "recovery", "generation": 2, "restored_from": None, "lost": [], "joined": [4]},
+             {"step": 2, "time": 13.5}, {"step": 3, "time": 14.0},
+             {"event": "recovery", "generation": 3, "restored_from": 2, "lost": [2, 3]},
+             {"step": 2, "time": 17.0}, {"step": 3, "time": 17.5},
+             {"event": "final", "steps": 4, "param_sums": [1.0], "param_norms": [2.0]}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    injections = [Injection(12.0, "kill", (1,), 1), Injection(14.5, "kill_two", (2,), 3),
+                  Injection(14.9, "kill_two", (3,), 3)]
+    report = chaos_report(injections, str(path))
+    assert report.injected == {"kill": 1, "kill_in_recovery": 0, "kill_two": 1, "hang": 0}
+    assert report.nodes_failed == 3 and (report.recoveries_in_memory, report.fallbacks) == (1, 1)
+    assert report.lost_s == pytest.approx((1.5, 2.5, 2.1)) and report.steps_redone == 2 and report.steps == 4
+    assert report.final["param_sums"] == [1.0]
+
+
+def test_a_schedule_that_cannot_fail_a_node_is_refused():
+    with pytest.raises(ValueError, match="at least 3 nodes"):
+        ChaosConfig(nodes=2)
+    with pytest.raises(ValueError, match="one non-negative number per kind"):
+        ChaosConfig(weights=(1.0, 1.0))
+
+
+@pytest.mark.slow
+def test_a_short_chaos_run_ends_with_the_failure_free_weights_and_no_process_left(tmp_path):
+    args = job_args(tmp_path, "unused")  # the runner sets the record's paths itself (later --set wins)
+    proc = subprocess.run(
+        [sys.executable, "-m", "oobleck_elastic.chaos", "--nodes=4", "--seed=3", "--mean-interval=2.5",
+         f"--out={tmp_path / 'out'}", "--timeout=400", "--reference-set", "planner.memory_per_worker=1GB",
+         SCRIPT, *args, "--set", "train.steps=40", "--set", "checkpoint.interval=4",
+         "--set", "elastic.collective_timeout_s=3", "--set", "elastic.lease_timeout_s=5",
+         "--set", "elastic.agreement_timeout_s=20"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "final weights vs the failure-free run (float64): EQUAL" in out, out[-3000:]
+    assert "orphan processes: 0" in out
+    injected = int(out.split("failures injected: ")[1].split(" ")[0])
+    assert injected >= 3, out[-3000:]
