@@ -173,8 +173,11 @@ class ChaosReport:
 
 
 def chaos_report(injections: list[Injection], metrics_path: str) -> ChaosReport:
-    with open(metrics_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    try:
+        with open(metrics_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:  # the run never trained a step
+        records = []
     steps = [r for r in records if "event" not in r]
     recoveries = [r for r in records if r.get("event") == "recovery" and r.get("lost")]  # not joins
     lost = []
