@@ -57,7 +57,10 @@ def test_layers_lost_fall_back_to_the_newest_checkpoint_on_the_survivors():
     layout = nxt(base, alive=[0, 2], dead=[1, 3], checkpoint=lambda: 4)
     assert layout.restored_from == 4 and layout.start_step == 4 and layout.base is None
     assert layout.instantiation.nodes == (0, 2) and "restored the checkpoint of step 4" in layout.actions[0]
-    with pytest.raises(NoCheckpointError, match="layer"):
+    initial = nxt(base, alive=[0, 2], dead=[1, 3], checkpoint=lambda: 0)
+    assert initial.restored_from == 0 and initial.start_step == 0
+    assert initial.actions[0].startswith("no checkpoint yet: started the run again from its initial state")
+    with pytest.raises(NoCheckpointError, match="layer"):  # a resumed run whose checkpoint is gone
         nxt(base, alive=[0, 2], dead=[1, 3], checkpoint=lambda: None)
 
 

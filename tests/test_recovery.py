@@ -176,10 +176,18 @@ def test_more_than_f_failures_fall_back_to_the_checkpoint(tmp_path, failure_free
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
-def test_no_replica_and_no_checkpoint_is_a_clear_error(tmp_path):
+def test_no_replica_before_the_first_checkpoint_starts_the_run_again_exactly(tmp_path, failure_free):
+    """More than f nodes lost before any checkpoint: the initial state is rebuilt exactly on the
+    survivors and the run goes on from step 0 (it used to end with an error: issue 14's chaos
+    run found it)."""
     proc = run_checkpointed(tmp_path, interval=0)
-    assert proc.returncode != 0
-    assert "no complete checkpoint" in proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no checkpoint yet: started the run again from its initial state (step 0)" in proc.stdout
+    log = records(tmp_path / "job/metrics.jsonl")
+    (recovery,) = [r for r in log if r.get("event") == "recovery"]
+    assert recovery["restored_from"] == 0 and recovery["lost"] == [1, 3]
+    assert [r["step"] for r in log if "step" in r and "event" not in r] == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
 def test_workers_exit_when_their_agent_dies(tmp_path):

@@ -79,8 +79,13 @@ class RunCheckpoints:
             self.ident = dataclasses.replace(self.ident, resumed=(first.resumed.run_id, first.resumed.step))
 
     def fallback_step(self) -> int | None:
-        """The newest intact checkpoint of this run (or the one it resumed from), or None."""
-        return latest_checkpoint(self.cfg.dir, self.ident)
+        """The newest intact checkpoint of this run (or the one it resumed from); before the
+        first one, step 0: the initial state, which every worker rebuilds exactly (Note: [layer
+        initialisation] in runtime/model.py); None for a resumed run whose checkpoint is gone."""
+        step = latest_checkpoint(self.cfg.dir, self.ident)
+        if step is None and self.ident.resumed is None:
+            return 0
+        return step
 
     def save(self, plan: GenerationPlan, rank: int, layers: LayerStore, done: int, final: bool = False) -> None:
         """Every checkpoint.interval steps, and after the last step or a stop (`final`): copies

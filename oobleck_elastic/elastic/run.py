@@ -196,9 +196,10 @@ class Run:
             raise Fenced(f"node {self.me.node} fenced: not a member of generation {g} ({record.cause})")
         self.records[g] = record
         restore_from = None
-        if record.restored_from is not None:
+        if record.restored_from is not None:  # step 0: the initial state, built afresh
             self.checkpoints.saved_step = record.start_step
-            transfers, restore_from = [], self.cfg.checkpoint.dir
+            self.trainer.layers.keep_only(())
+            transfers, restore_from = [], self.cfg.checkpoint.dir if record.restored_from else None
         elif self.trainer.layers.layers and record.start_step != self.trainer.completed_steps:
             raise Fenced(f"node {self.me.node} fenced: generation {g} starts at step {record.start_step} "
                          f"but this worker has completed {self.trainer.completed_steps}")
@@ -369,7 +370,7 @@ class Run:
         except NoCheckpointError as exc:
             raise OobleckError(f"{cause}. {exc} (in {self.cfg.checkpoint.dir!r})") from exc
         if layout.restored_from is not None:
-            self.log.warning("layers lost: restoring the checkpoint of step %d", layout.restored_from)
+            self.log.warning("layers lost: %s", layout.actions[0])
         proposal = GenerationRecord.next(old.generation + 1, layout, cause)
         # Every survivor proposes; compare-and-set keeps the first, so losing any one of them (the
         # "coordinator") cannot stall the agreement, and everyone acts on the record that won.

@@ -64,7 +64,7 @@ def plan_next(templates: TemplateSet, base: Base | None, *, alive: Sequence[int]
     or one restored from a checkpoint). `alive`: the nodes to lay it on (members that answered
     the roll call and live joiners). `dead`: nodes known dead (recorded as the change's loss).
     `step`: the steps every survivor has completed. `checkpoint()`: the newest checkpoint's
-    step, read only when needed. `fresh`: with no base, start the run again at step 0 (the first
+    step (0: the initial state, before the first checkpoint), read only when needed. `fresh`: with no base, start the run again at step 0 (the first
     generation failed before it trained) instead of restoring."""
     dead = tuple(sorted(set(dead)))
     if base is None:
@@ -98,8 +98,10 @@ def _restore(templates: TemplateSet, alive: Sequence[int], dead: tuple[int, ...]
         raise NoCheckpointError((f"{why}. " if why else "") + "There is no complete checkpoint of this run to fall "
                                 "back to (checkpoint.interval): the run cannot continue")
     inst = fresh_layout(templates, alive, global_batch, microbatch)
+    action = (f"restored the checkpoint of step {step}" if step else
+              "no checkpoint yet: started the run again from its initial state (step 0)")
     return NextLayout(instantiation=inst, start_step=step, base=None, restored_from=step, lost=dead,
-                      actions=(f"restored the checkpoint of step {step} on nodes {list(inst.nodes)}",))
+                      actions=(f"{action} on nodes {list(inst.nodes)}",))
 
 
 def transfers_between(templates: TemplateSet, base: Instantiation | None, after: Instantiation) -> list[Transfer]:
