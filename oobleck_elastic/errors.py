@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 __all__ = [
+    "RunFailed",
     "OobleckError",
     "ConfigError",
     "PlanningError",
@@ -22,6 +23,12 @@ __all__ = [
 
 class OobleckError(Exception):
     """Base class of errors caused by input or by the environment, not by a bug."""
+
+
+class RunFailed(OobleckError):
+    """The run cannot go on: every worker would fail the same way (a step that keeps failing,
+    no checkpoint to fall back to). The first worker to meet it tells the others and the
+    launcher (`Protocol.publish_failure`)."""
 
 
 class ConfigError(OobleckError, ValueError):

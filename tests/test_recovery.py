@@ -332,3 +332,23 @@ def test_rank_0_killed_after_a_commit_leaves_no_step_unreported(tmp_path, failur
     steps = [r for r in log if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == list(range(STEPS)), [r["step"] for r in steps]
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_a_run_that_cannot_go_on_says_so_and_stops_its_waiting_joiner(tmp_path):
+    """A step that keeps failing with every node alive ends the run (a bug, not a node failure);
+    the first worker to give up publishes the failure, so a node waiting to join stops waiting
+    (it used to wait out elastic.join_timeout_s) and the launcher prints why and stops the job."""
+    timeouts = ["--set", "elastic.collective_timeout_s=1", "--set", "elastic.lease_timeout_s=40",
+                "--set", "elastic.agreement_timeout_s=60", "--set", "elastic.join_timeout_s=280"]
+    # 9 s: more than the collective timeout after its last doubling (1, 2, 4, 8 s)
+    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=1,phase=grad_sync,action=slow,seconds=9"}
+    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=2",
+                           "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}",
+                           "--oobleck-add-node-at-step=0", SCRIPT, *job_args(tmp_path, "job"),
+                           "--set", "planner.memory_per_worker=1GB", *timeouts],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=250)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "oobleck: the run failed (node " in proc.stderr, proc.stderr[-2000:]
+    assert "GiveUp: step 1 failed 4 times with every node alive" in proc.stderr, proc.stderr[-2000:]
+    joiner = (tmp_path / "logs/node2.log").read_text()
+    assert "the run finished before this node was admitted" in joiner, joiner[-2000:]

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 
 from oobleck_elastic.elastic.records import GenerationRecord
-from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.errors import RunFailed
 
 __all__ = ["State", "Controller", "GiveUp", "IllegalTransition",
            "Started", "Admitted", "RunOver", "Built", "BuildFailed", "StepDone", "StepFailed", "EvalDone",
@@ -35,7 +35,7 @@ class State(enum.Enum):
     DONE = "done"
 
 
-class GiveUp(OobleckError):
+class GiveUp(RunFailed):
     """A step keeps failing with every node alive: not a node failure (a bug, out of memory)."""
 
 

@@ -119,6 +119,14 @@ class Protocol:
     def finished(self) -> bool:
         return self.done() is not None
 
+    def publish_failure(self, error: str, by: str) -> None:
+        """The run cannot go on (a worker's fatal error): joiners stop waiting, the launcher
+        stops the job and says why. The first failure stands."""
+        self.store.create_json("failed", {"error": error, "by": by, "at": self.wall()})
+
+    def failure(self) -> dict | None:
+        return self.store.try_get_json("failed")
+
     # --- generations --------------------------------------------------------------------------
 
     def pointer(self, timeout: float) -> GenerationRecord:

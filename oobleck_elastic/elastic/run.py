@@ -30,7 +30,7 @@ from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
 from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.store import MembershipStore
-from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.errors import RunFailed
 from oobleck_elastic.planning import WorkerRef, instantiate, layer_holders
 from oobleck_elastic.planning.recovery import Base, NextLayout, NoCheckpointError, plan_next, transfers_between
 from oobleck_elastic.runtime.model import ModelSpec
@@ -174,7 +174,7 @@ class Run:
             record = self.protocol.current(timeout)
             if self.me.node in record.nodes:
                 return record
-            return RunOver() if self.protocol.finished() else None
+            return RunOver() if self.protocol.finished() or self.protocol.failure() else None
         outcome = self.protocol.wait(f"node {self.me.node} to be admitted (elastic.join_timeout_s)", admitted, timeout)
         if isinstance(outcome, RunOver):
             self.log.warning("the run finished before this node was admitted")
@@ -368,7 +368,7 @@ class Run:
                                checkpoint=self.checkpoints.fallback_step, global_batch=train.global_batch_size,
                                microbatch=train.microbatch_size)
         except NoCheckpointError as exc:
-            raise OobleckError(f"{cause}. {exc} (in {self.cfg.checkpoint.dir!r})") from exc
+            raise RunFailed(f"{cause}. {exc} (in {self.cfg.checkpoint.dir!r})") from exc
         if layout.restored_from is not None:
             self.log.warning("layers lost: %s", layout.actions[0])
         proposal = GenerationRecord.next(old.generation + 1, layout, cause)

@@ -20,8 +20,8 @@ from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.elastic.job import WorkerIdentity
 from oobleck_elastic.elastic.run import Run
-from oobleck_elastic.elastic.store import connect_store, host_store
-from oobleck_elastic.errors import ConfigError, OobleckError
+from oobleck_elastic.elastic.store import StoreUnreachable, connect_store, host_store
+from oobleck_elastic.errors import ConfigError, OobleckError, RunFailed
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.trainer import Dataset
 
@@ -37,6 +37,14 @@ def worker_from_environ() -> tuple[str, WorkerIdentity] | None:
         return None
     return env["OOBLECK_STORE"], WorkerIdentity(env["OOBLECK_RUN_ID"], int(env["OOBLECK_NODE_ID"]),
                                                 int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]))
+
+
+def _publish_failure(store, who: WorkerIdentity, exc: RunFailed) -> None:
+    try:
+        Protocol(store).publish_failure(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
+                                        f"node {who.node} rank {who.local_rank}")
+    except (OobleckError, RuntimeError) as store_error:  # the store is gone too: the agent's exit tells
+        logger.warning("could not publish the run's failure: %s", store_error)
 
 
 def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset: Dataset | None = None) -> None:
@@ -74,11 +82,14 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
     signal.signal(signal.SIGTERM, stop)
     try:
         reason = run.run()
-    except (dist.DistNetworkError, dist.DistStoreError) as exc:
+    except (dist.DistNetworkError, dist.DistStoreError, StoreUnreachable) as exc:
         raise OobleckError(
             f"the membership store at {store.url} is unreachable ({str(exc).splitlines()[0][:120]}); "
             "the embedded store does not outlive the process hosting it. Host it on a machine that stays "
             "up (the launcher does for local jobs) or use the etcd store") from exc
+    except RunFailed as exc:  # say so to the others (joiners, the launcher), then fail as before
+        _publish_failure(store, who, exc)
+        raise
     finally:
         run.close()
         del alone

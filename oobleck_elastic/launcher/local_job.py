@@ -24,6 +24,8 @@ from oobleck_elastic.launcher.node import with_job_settings
 
 __all__ = ["LocalNodes", "run_local_job", "node_command"]
 
+FAILED_GRACE_S = 5.0  # after a worker's fatal error, how long the other nodes get to leave
+
 
 def _progress_line(rec: dict, first: tuple[float, int]) -> str:
     """One line per interval; the ETA extrapolates the steps seen since the first one."""
@@ -185,7 +187,8 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
     last_step = -1
     interval = cfg.monitoring.log_interval if cfg else 1
     generation = 0
-    finished_at = None
+    finished_at = failed_at = None
+    said = False
     dead: set[int] = set()
     resumed = None
     stopper = _StopOnSignal()
@@ -193,7 +196,15 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
         while any(p.poll() is None for p in procs):
             stopper.publish(protocol)
             _mark_dead_nodes(protocol, procs, dead)
-            if tick is not None and not protocol.finished():
+            failure = protocol.failure()
+            if failure is not None:  # the run cannot go on: nodes waiting to join would wait in vain
+                failed_at = failed_at or time.monotonic()
+                if not said:
+                    print(f"oobleck: the run failed ({failure['by']}): {failure['error']}", file=sys.stderr, flush=True)
+                    said = True
+                if time.monotonic() - failed_at > FAILED_GRACE_S:
+                    break  # what is left is killed below
+            elif tick is not None and not protocol.finished():
                 tick(local)
             rec = protocol.progress()
             if rec and rec["step"] != last_step:
