@@ -144,3 +144,28 @@ def test_a_write_the_transport_sends_twice_counts_once(etcd_port, monkeypatch):
     monkeypatch.setattr(store._client, "write", real)
     assert store.add("gen0/built", 0) == 5
     assert store.create_json("generation/1", {"nodes": [1]}) is False
+
+
+def test_a_request_rides_out_an_etcd_restart_shorter_than_its_outage_timeout():
+    """Note: [etcd outages]: etcd killed and started again with its data while a client writes;
+    a request made while it is down waits for it, one past the outage timeout fails clearly."""
+    import threading
+
+    from etcd_server import etcd_process
+
+    with etcd_process() as server:
+        store = connect_store(f"etcd://127.0.0.1:{server.port}", "outage", outage_timeout=20.0)
+        store.set_json("before", 1)
+        assert store.add("count", 1) == 1
+        server.stop()
+        restart = threading.Timer(2.0, server.start)
+        restart.start()
+        try:
+            assert store.add("count", 1) == 2, "the add made while etcd was down counts once"
+            assert store.try_get_json("before") == 1, "its data survived the restart"
+        finally:
+            restart.join()
+        server.stop()
+        store.outage_timeout = 1.0
+        with pytest.raises(StoreUnreachable, match=r"is unreachable \(for 1 s now\)"):
+            store.set_json("after", 1)

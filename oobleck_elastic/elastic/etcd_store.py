@@ -15,6 +15,15 @@ Note: [idempotent etcd writes]
     failed condition is checked against what is stored: our own token (or, for a create, our
     own value) means our write is the one that was applied.
 
+Note: [etcd outages]
+    etcd restarted under a running job (with its data), a network blip or a leader election
+    make requests fail for a while. A request is tried again until the server answers or
+    `outage_timeout` (the job's lease timeout, for workers) has passed: an outage shorter than
+    the lease is ridden out, every worker and agent waiting in its store call; a longer one
+    fails the workers with a line naming etcd, and the launcher stops the job. An etcd that
+    lost its data (a new, empty cluster) is not a blip: the run's records are gone and the
+    workers fail with "not one this job wrote" or a timeout naming what they awaited.
+
 Start etcd 3.4 with the v2 API: `etcd --enable-v2 --listen-client-urls http://0.0.0.0:2379
 --advertise-client-urls http://HOST:2379`.
 """
@@ -22,6 +31,7 @@ Start etcd 3.4 with the v2 API: `etcd --enable-v2 --listen-client-urls http://0.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -33,19 +43,24 @@ from oobleck_elastic.elastic.store import MembershipStore, StoreUnreachable, che
 
 __all__ = ["EtcdStore"]
 
+OUTAGE_RETRY_S = 0.2
+
 
 class EtcdStore(MembershipStore):
-    """A run's keys on an etcd server; every request gives up after `request_timeout` seconds."""
+    """A run's keys on an etcd server. A request gives up after `request_timeout` seconds; a
+    server that does not answer (restarted, a network blip, a leader election) is tried again
+    for up to `outage_timeout` seconds before the request fails (Note: [etcd outages])."""
 
     poll_s = 0.02  # thousands of workers polling every 2 ms would swamp it
 
     def __init__(self, host: str, port: int, run_id: str, *, timeout: float = 60.0,
-                 request_timeout: float = 5.0) -> None:
+                 request_timeout: float = 5.0, outage_timeout: float = 10.0) -> None:
         self.host, self.port, self.run_id, self.timeout = host, port, check_run_id(run_id), timeout
+        self.outage_timeout = outage_timeout
         self._client = etcd.Client(host=host, port=port, read_timeout=request_timeout)
         self._prefix = f"/oobleck/{run_id}/"
         self._torch_store: dist.Store | None = None
-        self._call(self._client.read, "/")  # fail now, with a clear message, if it is not there
+        self._call(self._client.read, "/", outage=0.0)  # fail now, with a clear message, if it is not there
 
     @property
     def url(self) -> str:
@@ -54,19 +69,27 @@ class EtcdStore(MembershipStore):
     def _key(self, key: str) -> str:
         return self._prefix + key.replace("/", ".")
 
-    def _call(self, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (etcd.EtcdKeyNotFound, etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
-            raise  # answers, not errors: the callers handle them
-        except etcd.EtcdConnectionFailed as exc:
-            raise StoreUnreachable(
-                f"etcd at {self.host}:{self.port} is unreachable ({str(exc)[:120]}); start it with "
-                "--enable-v2 (the v2 API python-etcd speaks) or fix --rdzv-endpoint") from exc
-        except etcd.EtcdException as exc:
-            raise StoreUnreachable(
-                f"etcd at {self.host}:{self.port} failed a request ({type(exc).__name__}: {' '.join(str(exc).split())[:120]}); "
-                "is its v2 API on (etcd --enable-v2)?") from exc
+    def _call(self, fn, *args, outage: float | None = None, **kwargs):
+        outage = self.outage_timeout if outage is None else outage
+        deadline = None
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except (etcd.EtcdKeyNotFound, etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
+                raise  # answers, not errors: the callers handle them
+            except (etcd.EtcdConnectionFailed, etcd.EtcdLeaderElectionInProgress) as exc:
+                deadline = deadline or time.monotonic() + outage
+                if time.monotonic() < deadline:
+                    time.sleep(OUTAGE_RETRY_S)  # a retried write is safe (Note: [idempotent etcd writes])
+                    continue
+                lasted = f" (for {outage:.0f} s now)" if outage else ""
+                raise StoreUnreachable(
+                    f"etcd at {self.host}:{self.port} is unreachable{lasted} ({str(exc)[:120]}); start it with "
+                    "--enable-v2 (the v2 API python-etcd speaks) or fix --rdzv-endpoint") from exc
+            except etcd.EtcdException as exc:
+                raise StoreUnreachable(
+                    f"etcd at {self.host}:{self.port} failed a request ({type(exc).__name__}: "
+                    f"{' '.join(str(exc).split())[:120]}); is its v2 API on (etcd --enable-v2)?") from exc
 
     def set_json(self, key: str, value: Any) -> None:
         self._call(self._client.write, self._key(key), json.dumps(value))

@@ -174,13 +174,14 @@ def host_store(host: str, port: int, run_id: str, timeout: float = 60.0) -> Embe
     return EmbeddedStore(host, port, run_id, is_master=True, timeout=timeout)
 
 
-def connect_store(url: str, run_id: str, timeout: float = 60.0) -> MembershipStore:
+def connect_store(url: str, run_id: str, timeout: float = 60.0, outage_timeout: float = 10.0) -> MembershipStore:
     """A client of the store at `url` (`MembershipStore.url`): `etcd://host:port` is etcd's v2
-    API, `host:port` an embedded store someone hosts."""
+    API (ridden through outages up to `outage_timeout` seconds), `host:port` an embedded store
+    someone hosts."""
     if url.startswith("etcd://"):
         from oobleck_elastic.elastic.etcd_store import EtcdStore
 
         host, _, port = url.removeprefix("etcd://").rpartition(":")
-        return EtcdStore(host, int(port), run_id, timeout=timeout)
+        return EtcdStore(host, int(port), run_id, timeout=timeout, outage_timeout=outage_timeout)
     host, _, port = url.rpartition(":")
     return EmbeddedStore(host, int(port), run_id, timeout=timeout)

@@ -66,7 +66,8 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
         watch_parent()
     url, who = found
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    store = connect_store(url, who.run_id, timeout=cfg.elastic.join_timeout_s)
+    store = connect_store(url, who.run_id, timeout=cfg.elastic.join_timeout_s,
+                          outage_timeout=cfg.elastic.lease_timeout_s)  # a shorter outage is ridden out
     if alone is None:
         check_lease(store, who.node, cfg)
         fault = FaultInjector.from_environ(who.node, Protocol(store))

@@ -96,8 +96,9 @@ class ChaosSchedule:
         for item in [p for p in self.pending if p[0] <= now]:
             self.pending.remove(item)
             _, kind, k = item
-            if kind == "wake":
-                local.signal(k, signal.SIGCONT)  # it finds itself fenced and leaves
+            if kind == "wake":  # it finds itself fenced and leaves, or, not taken for dead, trains on
+                local.signal(k, signal.SIGCONT)
+                self.killed.discard(k)
             else:
                 self._fail(local, kind, [k], progress["step"], follow_up=True)
         while self.lost_at and now - self.lost_at[0] >= self.cfg.replace_after_s:

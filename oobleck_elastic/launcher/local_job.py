@@ -16,10 +16,13 @@ import subprocess
 import sys
 import time
 import uuid
+
+import psutil
 from collections.abc import Callable
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.store import StoreUnreachable
 from oobleck_elastic.launcher.node import with_job_settings
 
 __all__ = ["LocalNodes", "run_local_job", "node_command"]
@@ -151,12 +154,18 @@ class LocalNodes:
         return [k for k, p in enumerate(self.procs) if p.poll() is None]
 
     def signal(self, k: int, sig: signal.Signals) -> None:
-        """Sends `sig` to node k's whole process group (agent and workers), as a machine would
-        die (SIGKILL) or hang (SIGSTOP)."""
+        """Sends `sig` to every process of node k, its agent and its workers (torch starts each
+        worker in a process group of its own), as a machine would die (SIGKILL) or hang (SIGSTOP)."""
         try:
-            os.killpg(self.procs[k].pid, sig)
-        except ProcessLookupError:  # it exited meanwhile
-            pass
+            agent = psutil.Process(self.procs[k].pid)
+            tree = [agent, *agent.children(recursive=True)]
+        except psutil.NoSuchProcess:  # it exited meanwhile
+            return
+        for proc in tree:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
 
     def node_id(self, k: int) -> int | None:
         return _node_of_pid(self.protocol, self.procs[k].pid)
@@ -188,6 +197,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
     interval = cfg.monitoring.log_interval if cfg else 1
     generation = 0
     finished_at = failed_at = None
+    lost_store = False
     said = False
     dead: set[int] = set()
     resumed = None
@@ -244,6 +254,9 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
                           file=sys.stderr)
                     break
             time.sleep(0.1)
+    except StoreUnreachable as exc:  # etcd gone for longer than its outage timeout: nothing can go on
+        print(f"oobleck: {exc}; stopping the job", file=sys.stderr, flush=True)
+        lost_store = True
     except KeyboardInterrupt:
         print("interrupted: killing every node", file=sys.stderr)
     finally:
@@ -256,7 +269,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
             if log:
                 log.close()
     failed = [k for k, p in enumerate(procs) if p.returncode != 0]
-    done = protocol.done()
+    done = None if lost_store else protocol.done()
     if not done:
         print(f"oobleck: the job did not finish; node logs (by start order): "
               f"{', '.join(f'{args.oobleck_log_dir}/node{k}.log' for k in failed)}", file=sys.stderr)
