@@ -13,7 +13,8 @@ evaluation after step K begins), grow (a member, as joiners admitted after step 
 are about to be proposed: it died in its optimizer step) and admit (a member, once the record
 admitting them has won, before it is built). grow and admit fire at the first admission at or
 after step K, since when a joiner is ready is not known in advance. `action=slow,seconds=S` makes the worker
-sleep S seconds each time it reaches the phase of that step (a slow transfer, say). A worker of the
+sleep S seconds each time it reaches the phase of that step (a slow transfer, say);
+`action=raise` makes it raise an error each time (a bug: the step fails with every node alive). A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -33,7 +34,7 @@ from oobleck_elastic.errors import ConfigError
 
 __all__ = ["Fault", "parse_faults", "FaultInjector", "KillRecorder", "PHASES"]
 
-ACTIONS = ("kill", "stop", "slow")
+ACTIONS = ("kill", "stop", "slow", "raise")
 PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "build", "transfer", "agreement", "restore",
           "checkpoint", "eval", "grow", "admit")
 AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fire at
@@ -97,6 +98,8 @@ class FaultInjector:
                     f.write(json.dumps(record) + "\n")
             if fault.action == "slow":  # every time: a replay is as slow
                 time.sleep(fault.seconds)
+            elif fault.action == "raise":  # every time: a bug in this worker, not a node failure
+                raise RuntimeError(f"injected error at {phase} of step {step} on node {self.node}")
             elif fault.action == "stop":
                 self.faults.remove(fault)  # once: after SIGCONT the step is replayed
                 os.kill(os.getpid(), signal.SIGSTOP)
