@@ -68,27 +68,39 @@ class Generation:
         self.rank = plan.rank_of(me)
         self.layers = layers
         self.role: StageRole | None = plan.roles.get(self.rank)
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{plan.generation}", store),
-                                rank=self.rank, world_size=len(plan.members), timeout=timeout)
-        self._closed = False
         self.pipeline_group = None
-        # Every rank creates every group, in the same order (new_group is collective).
-        for pipe_rank_sets in self._pipeline_rank_sets():
-            group = dist.new_group(sorted(pipe_rank_sets), timeout=timeout)
-            if self.role is not None and self.rank in pipe_rank_sets:
-                self.pipeline_group = group
         self.grad_groups: list[tuple[object, tuple[int, ...]]] = []
-        for ranks, layer_ids in plan.replica_sets:
-            group = dist.new_group(list(ranks), timeout=timeout)
-            if self.rank in ranks:
-                self.grad_groups.append((group, layer_ids))
-        self.tie_groups, self._tied = self._make_tie_groups(timeout)
+        self.tie_groups, self._tied = [], {}
         self.stages: list[PipelineStage] = []
         self.stage_modules: list[StageModule] = []
         self.schedule = None
         self._loss_fn = loss_fn
         self._schedule_name = schedule
         self._fault = fault
+        self._closed = True  # until the default group exists
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{plan.generation}", store),
+                                rank=self.rank, world_size=len(plan.members), timeout=timeout)
+        self._closed = False
+        try:
+            self._make_groups(plan, timeout)
+        except BaseException:
+            # a peer died while the groups were made: a half-built generation leaves nothing
+            # behind, or the next one could not start (the chaos run found "the default process
+            # group initialised twice")
+            self.close()
+            raise
+
+    def _make_groups(self, plan: GenerationPlan, timeout: timedelta) -> None:
+        # Every rank creates every group, in the same order (new_group is collective).
+        for pipe_rank_sets in self._pipeline_rank_sets():
+            group = dist.new_group(sorted(pipe_rank_sets), timeout=timeout)
+            if self.role is not None and self.rank in pipe_rank_sets:
+                self.pipeline_group = group
+        for ranks, layer_ids in plan.replica_sets:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if self.rank in ranks:
+                self.grad_groups.append((group, layer_ids))
+        self.tie_groups, self._tied = self._make_tie_groups(timeout)
 
     def _make_tie_groups(self, timeout: timedelta) -> tuple[list, dict[int, set[str]]]:
         """One group per tied parameter over every rank holding a copy (runtime.model Note:
@@ -235,6 +247,7 @@ class Generation:
         self.stage_modules = []
         self.pipeline_group = None
         self.grad_groups = []
+        self.tie_groups = []
         try:
             dist.destroy_process_group()
         finally:
