@@ -71,9 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_node(args)
         cfg = job_config_of(args.training_script_args)
         if cfg is not None and args.module and args.training_script == "oobleck_elastic.train":
-            from oobleck_elastic.train import check_resume, prepare
+            from oobleck_elastic.train import check_plan, check_resume, prepare
 
-            check_resume(cfg, *prepare(cfg))  # model, data and checkpoint checked here, not in every node's log
+            spec, data, held_out = prepare(cfg)
+            check_resume(cfg, spec, data, held_out)  # model, data and checkpoint checked here, not in every node's log
+            if args.oobleck_local_nodes > 0 and str(args.nproc_per_node).isdigit():  # and the plan, here
+                check_plan(cfg, spec, args.oobleck_local_nodes, int(args.nproc_per_node))
         if args.oobleck_local_nodes:
             if args.oobleck_local_nodes < 1:
                 raise OobleckError(f"--oobleck-local-nodes must be >= 1, got {args.oobleck_local_nodes}")

@@ -68,6 +68,15 @@ def check_resume(cfg: JobConfig, spec: ModelSpec, data: Any, held_out: Any = Non
     return None if found is None else found[0]
 
 
+def check_plan(cfg: JobConfig, spec: ModelSpec, nodes: int, workers_per_node: int) -> None:
+    """Plans the job for `nodes` nodes as its workers will (the profile is measured here and
+    cached where they read it): a model no template fits in memory, or more fault tolerance
+    than the nodes allow, is one PlanningError before any node starts."""
+    from oobleck_elastic.elastic.job import measure, templates
+
+    templates(measure(spec, cfg), cfg, nodes, workers_per_node)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m oobleck_elastic.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="job YAML (every key documented in oobleck_elastic/config/schema.py)")

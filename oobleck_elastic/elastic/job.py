@@ -17,7 +17,7 @@ from oobleck_elastic.runtime.checkpoint import plain
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.profiler import load_or_profile
 
-__all__ = ["WorkerIdentity", "job_description", "plan_run"]
+__all__ = ["WorkerIdentity", "job_description", "measure", "plan_run", "templates"]
 
 LOCAL_KEYS = ("planner.profile_dir", "planner.profile_iterations", "checkpoint.dir")
 """A machine's own paths and its profiling effort may differ between nodes."""
@@ -51,17 +51,28 @@ def job_description(cfg: JobConfig, model: ModelSpec) -> dict[str, object]:
     return flat
 
 
+def measure(model: ModelSpec, cfg: JobConfig) -> ModelProfile:
+    """The model's profile: the cached one if its key matches, else measured (and cached)."""
+    profile, _ = load_or_profile(model, directory=cfg.planner.profile_dir, microbatch_size=cfg.train.microbatch_size,
+                                 dtype=cfg.train.dtype, seed=cfg.train.seed,
+                                 iterations=cfg.planner.profile_iterations, optimizer=cfg.train.optimizer)
+    return profile
+
+
+def templates(profile: ModelProfile, cfg: JobConfig, nodes: int, workers_per_node: int) -> TemplateSet:
+    """The job's pipeline templates for `nodes` nodes of `workers_per_node` workers; a
+    PlanningError says what does not fit (no template in memory, fault tolerance too high)."""
+    return plan_templates(profile, make_cluster(cfg.planner, profile, workers_per_node), max_nodes=nodes,
+                          fault_tolerance=cfg.fault_tolerance, total_microbatches=cfg.train.num_microbatches,
+                          virtual_stages=cfg.train.stages_per_worker)
+
+
 def plan_run(protocol: Protocol, who: WorkerIdentity, first_nodes: Sequence[int], model: ModelSpec, cfg: JobConfig) -> TemplateSet:
     """The run's pipeline templates, planned for the first generation's node count from the
     profile the first node's first worker measures and publishes."""
     if who.node == min(first_nodes) and who.local_rank == 0:
-        profile, _ = load_or_profile(model, directory=cfg.planner.profile_dir,
-                                     microbatch_size=cfg.train.microbatch_size, dtype=cfg.train.dtype,
-                                     seed=cfg.train.seed, iterations=cfg.planner.profile_iterations,
-                                     optimizer=cfg.train.optimizer)
+        profile = measure(model, cfg)
         protocol.publish_profile(to_jsonable(profile))
     else:
         profile = from_jsonable(ModelProfile, protocol.profile(cfg.elastic.join_timeout_s))
-    cluster = make_cluster(cfg.planner, profile, who.local_world_size)
-    return plan_templates(profile, cluster, max_nodes=len(first_nodes), fault_tolerance=cfg.fault_tolerance,
-                          total_microbatches=cfg.train.num_microbatches, virtual_stages=cfg.train.stages_per_worker)
+    return templates(profile, cfg, len(first_nodes), who.local_world_size)
