@@ -14,7 +14,8 @@ are about to be proposed: it died in its optimizer step) and admit (a member, on
 admitting them has won, before it is built). grow and admit fire at the first admission at or
 after step K, since when a joiner is ready is not known in advance. `action=slow,seconds=S` makes the worker
 sleep S seconds each time it reaches the phase of that step (a slow transfer, say);
-`action=raise` makes it raise an error each time (a bug: the step fails with every node alive). A worker of the
+`action=raise` makes it raise an error each time (a bug: the step fails with every node alive),
+`action=glitch` once (a transient error: the same nodes replay the step). A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -34,7 +35,7 @@ from oobleck_elastic.errors import ConfigError
 
 __all__ = ["Fault", "parse_faults", "FaultInjector", "KillRecorder", "PHASES"]
 
-ACTIONS = ("kill", "stop", "slow", "raise")
+ACTIONS = ("kill", "stop", "slow", "raise", "glitch")
 PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "build", "transfer", "agreement", "restore",
           "checkpoint", "eval", "grow", "admit")
 AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fire at
@@ -100,6 +101,9 @@ class FaultInjector:
                 time.sleep(fault.seconds)
             elif fault.action == "raise":  # every time: a bug in this worker, not a node failure
                 raise RuntimeError(f"injected error at {phase} of step {step} on node {self.node}")
+            elif fault.action == "glitch":  # once: a transient error, the step is replayed
+                self.faults.remove(fault)
+                raise RuntimeError(f"injected glitch at {phase} of step {step} on node {self.node}")
             elif fault.action == "stop":
                 self.faults.remove(fault)  # once: after SIGCONT the step is replayed
                 os.kill(os.getpid(), signal.SIGSTOP)
