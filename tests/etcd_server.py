@@ -3,8 +3,10 @@ on, stopped (and its data removed) when the `with` block ends."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -22,30 +24,56 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def make_tls(directory: str) -> dict[str, str]:
+    """A throwaway CA, and a server and a client certificate it signed for 127.0.0.1 (openssl)."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=oobleck-test-ca")
+    for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+        with open(os.path.join(directory, f"{name}.ext"), "w") as f:
+            f.write(f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
+    return {k: os.path.join(directory, f) for k, f in (("ca", "ca.crt"), ("server_cert", "server.crt"),
+            ("server_key", "server.key"), ("client_cert", "client.crt"), ("client_key", "client.key"))}
+
+
 class EtcdServer:
     """One etcd member on free local ports with its data in a temporary directory; it can be
-    stopped and started again with the same data (a restart under a running job)."""
+    stopped and started again with the same data (a restart under a running job). With `tls`
+    (make_tls's files) it serves https only and asks clients for certificates."""
 
-    def __init__(self, v2: bool = True) -> None:
+    def __init__(self, v2: bool = True, tls: dict[str, str] | None = None) -> None:
         self.binary = shutil.which("etcd")
         if self.binary is None:
             raise RuntimeError("these tests need etcd (Debian: apt-get install etcd-server); ./launch/test installs it")
-        self.v2 = v2
+        self.v2, self.tls = v2, tls
         self.port, self.peer = _free_ports(2)
         self.data = tempfile.mkdtemp(prefix="oobleck-etcd-")
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> None:
-        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
+        scheme = "https" if self.tls else "http"
+        client, peer = f"{scheme}://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
+        tls = [] if not self.tls else ["--cert-file", self.tls["server_cert"], "--key-file", self.tls["server_key"],
+                                       "--trusted-ca-file", self.tls["ca"], "--client-cert-auth"]
         self.proc = subprocess.Popen(
             [self.binary, f"--enable-v2={str(self.v2).lower()}", "--name", "test", "--data-dir", self.data,
              "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
-             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"test={peer}"],
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", f"test={peer}", *tls],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(cafile=self.tls["ca"])
+            context.load_cert_chain(self.tls["client_cert"], self.tls["client_key"])
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with urllib.request.urlopen(f"{client}/version", timeout=1):
+                with urllib.request.urlopen(f"{client}/version", timeout=1, context=context):
                     return
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -73,9 +101,9 @@ def etcd_server(timeout: float = 30.0, v2: bool = True):
 
 
 @contextmanager
-def etcd_process(timeout: float = 30.0, v2: bool = True):
+def etcd_process(timeout: float = 30.0, v2: bool = True, tls: dict[str, str] | None = None):
     """Yields a started EtcdServer, removed (process and data) when the block ends."""
-    server = EtcdServer(v2)
+    server = EtcdServer(v2, tls)
     try:
         server.start(timeout)
         yield server

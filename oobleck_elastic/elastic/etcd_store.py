@@ -31,19 +31,72 @@ Start etcd 3.4 with the v2 API: `etcd --enable-v2 --listen-client-urls http://0.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qsl, urlencode
 
 import etcd
 import torch.distributed as dist
 
 from oobleck_elastic.elastic.store import MembershipStore, StoreUnreachable, check_run_id
+from oobleck_elastic.errors import ConfigError
 
-__all__ = ["EtcdStore"]
+__all__ = ["EtcdAccess", "EtcdStore"]
 
 OUTAGE_RETRY_S = 0.2
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How to reach a secured etcd: TLS (`ca_cert` to trust its server, `cert` and `key` for a
+    server that asks for client certificates) and v2 auth (`username`; the password is read from
+    OOBLECK_ETCD_PASSWORD in each process, so it is never in a URL or a command line). Given as
+    `--rdzv-conf etcd_cacert=PATH,etcd_cert=PATH,etcd_key=PATH,etcd_user=NAME`; the paths must
+    hold on every node."""
+
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    username: str | None = None
+
+    CONF = {"etcd_cacert": "ca_cert", "etcd_cert": "cert", "etcd_key": "key", "etcd_user": "username"}
+
+    @classmethod
+    def from_config(cls, conf: Mapping[str, Any]) -> EtcdAccess:
+        """From torchrun's `--rdzv-conf` keys; checks what can be checked before connecting."""
+        access = cls(**{name: str(conf[key]) for key, name in cls.CONF.items() if conf.get(key)})
+        for key, name in cls.CONF.items():
+            path = getattr(access, name)
+            if name != "username" and path is not None and not os.path.isfile(path):
+                raise ConfigError(f"--rdzv-conf {key}={path}: no such file")
+        if (access.cert is None) != (access.key is None):
+            raise ConfigError("--rdzv-conf etcd_cert and etcd_key go together (the client's certificate and its key)")
+        if access.username and "OOBLECK_ETCD_PASSWORD" not in os.environ:
+            raise ConfigError(f"--rdzv-conf etcd_user={access.username}: set OOBLECK_ETCD_PASSWORD to its password")
+        return access
+
+    @classmethod
+    def from_query(cls, query: str) -> EtcdAccess:
+        return cls(**dict(parse_qsl(query)))
+
+    def query(self) -> str:
+        """The access as a URL query, for the workers (`connect_store`); no secret in it."""
+        return urlencode({f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)})
+
+    def client_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        if self.ca_cert or self.cert:
+            args.update(protocol="https", ca_cert=self.ca_cert)
+        if self.cert:
+            args["cert"] = (self.cert, self.key)
+        if self.username:
+            args.update(username=self.username, password=os.environ.get("OOBLECK_ETCD_PASSWORD"))
+        return args
 
 
 class EtcdStore(MembershipStore):
@@ -54,17 +107,19 @@ class EtcdStore(MembershipStore):
     poll_s = 0.02  # thousands of workers polling every 2 ms would swamp it
 
     def __init__(self, host: str, port: int, run_id: str, *, timeout: float = 60.0,
-                 request_timeout: float = 5.0, outage_timeout: float = 10.0) -> None:
+                 request_timeout: float = 5.0, outage_timeout: float = 10.0,
+                 access: EtcdAccess = EtcdAccess()) -> None:
         self.host, self.port, self.run_id, self.timeout = host, port, check_run_id(run_id), timeout
-        self.outage_timeout = outage_timeout
-        self._client = etcd.Client(host=host, port=port, read_timeout=request_timeout)
+        self.outage_timeout, self.access = outage_timeout, access
+        self._client = etcd.Client(host=host, port=port, read_timeout=request_timeout, **access.client_args())
         self._prefix = f"/oobleck/{run_id}/"
         self._torch_store: dist.Store | None = None
         self._call(self._client.read, "/", outage=0.0)  # fail now, with a clear message, if it is not there
 
     @property
     def url(self) -> str:
-        return f"etcd://{self.host}:{self.port}"
+        query = self.access.query()
+        return f"etcd://{self.host}:{self.port}" + (f"?{query}" if query else "")
 
     def _key(self, key: str) -> str:
         return self._prefix + key.replace("/", ".")
@@ -78,6 +133,11 @@ class EtcdStore(MembershipStore):
             except (etcd.EtcdKeyNotFound, etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
                 raise  # answers, not errors: the callers handle them
             except (etcd.EtcdConnectionFailed, etcd.EtcdLeaderElectionInProgress) as exc:
+                if "SSL" in str(exc):  # not an outage: the TLS settings do not fit the server
+                    raise StoreUnreachable(
+                        f"TLS with etcd at {self.host}:{self.port} failed ({str(exc)[:200]}); check --rdzv-conf "
+                        "etcd_cacert (the CA that signed the server's certificate) and etcd_cert/etcd_key "
+                        "(when the server asks for client certificates)") from exc
                 deadline = deadline or time.monotonic() + outage
                 if time.monotonic() < deadline:
                     time.sleep(OUTAGE_RETRY_S)  # a retried write is safe (Note: [idempotent etcd writes])

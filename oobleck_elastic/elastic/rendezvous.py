@@ -228,12 +228,12 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
     host, _, port = (params.endpoint or f"127.0.0.1:{default_port}").rpartition(":")
     host, port = host or "127.0.0.1", int(port or default_port)
     if kind == "etcd":
-        from oobleck_elastic.elastic.etcd_store import EtcdStore
+        from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
 
         if params.run_id in ("", "none"):
             raise ConfigError("--rdzv-id is required with --rdzv-conf store=etcd: a run's records stay "
                              "in etcd, so each job needs an id of its own")
-        return EtcdStore(host, port, params.run_id, timeout=timeout)
+        return EtcdStore(host, port, params.run_id, timeout=timeout, access=EtcdAccess.from_config(params.config))
     # Only the endpoint's machine hosts the store (or the one `is_host` names, where names are
     # ambiguous); on it, the first agent to bind the port wins and the others are clients.
     is_host = params.get_as_bool("is_host")

@@ -179,9 +179,11 @@ def connect_store(url: str, run_id: str, timeout: float = 60.0, outage_timeout: 
     API (ridden through outages up to `outage_timeout` seconds), `host:port` an embedded store
     someone hosts."""
     if url.startswith("etcd://"):
-        from oobleck_elastic.elastic.etcd_store import EtcdStore
+        from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
 
-        host, _, port = url.removeprefix("etcd://").rpartition(":")
-        return EtcdStore(host, int(port), run_id, timeout=timeout, outage_timeout=outage_timeout)
+        address, _, query = url.removeprefix("etcd://").partition("?")
+        host, _, port = address.rpartition(":")
+        return EtcdStore(host, int(port), run_id, timeout=timeout, outage_timeout=outage_timeout,
+                         access=EtcdAccess.from_query(query))
     host, _, port = url.rpartition(":")
     return EmbeddedStore(host, int(port), run_id, timeout=timeout)

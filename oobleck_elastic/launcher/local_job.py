@@ -83,9 +83,13 @@ def _local_store(args: argparse.Namespace, run_id: str):
     from oobleck_elastic.elastic.rendezvous import store_kind
     from oobleck_elastic.elastic.store import connect_store, host_store
 
-    if store_kind(_parse_rendezvous_config(args.rdzv_conf)) == "etcd":
+    conf = _parse_rendezvous_config(args.rdzv_conf)
+    if store_kind(conf) == "etcd":
+        from oobleck_elastic.elastic.etcd_store import EtcdAccess
+
         endpoint = args.rdzv_endpoint or "127.0.0.1:2379"
-        return connect_store(f"etcd://{endpoint}", run_id), endpoint
+        query = EtcdAccess.from_config(conf).query()
+        return connect_store(f"etcd://{endpoint}" + (f"?{query}" if query else ""), run_id), endpoint
     port = int(args.rdzv_endpoint.rpartition(":")[2]) if args.rdzv_endpoint else 0
     store = host_store("127.0.0.1", port, run_id)
     return store, f"127.0.0.1:{store.port}"

@@ -1,0 +1,67 @@
+"""etcd with TLS and client certificates (issue 14): `--rdzv-conf etcd_cacert=...,etcd_cert=...,
+etcd_key=...` reaches every client (agents, the launcher, the workers through their store URL,
+torch's c10d store for process groups); wrong settings are one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from etcd_server import etcd_process, make_tls
+from jobs import SCRIPT, assert_matches, job_args, records
+from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
+from oobleck_elastic.elastic.store import StoreUnreachable, connect_store
+from oobleck_elastic.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    return make_tls(str(tmp_path_factory.mktemp("tls")))
+
+
+def test_a_client_with_the_ca_and_a_certificate_reads_and_writes_and_passes_it_on(tls):
+    access = EtcdAccess.from_config({"etcd_cacert": tls["ca"], "etcd_cert": tls["client_cert"],
+                                     "etcd_key": tls["client_key"]})
+    with etcd_process(tls=tls) as server:
+        store = EtcdStore("127.0.0.1", server.port, "secure", access=access)
+        store.set_json("k", {"v": 1})
+        assert store.add("n", 2) == 2
+        worker = connect_store(store.url, "secure")  # what a worker gets from its agent
+        assert worker.try_get_json("k") == {"v": 1} and worker.add("n", 1) == 3
+        assert "https" not in store.url and "password" not in store.url
+        torch_store = worker.torch_store()  # process groups bootstrap through it
+        torch_store.set("x", b"1")
+        assert torch_store.get("x") == b"1"
+        with pytest.raises(StoreUnreachable, match="TLS with etcd at 127.0.0.1:.* failed.*etcd_cacert"):
+            EtcdStore("127.0.0.1", server.port, "secure", access=EtcdAccess(ca_cert=tls["ca"]))  # no certificate
+        with pytest.raises(StoreUnreachable):
+            EtcdStore("127.0.0.1", server.port, "secure")  # plain http to an https server
+
+
+def test_bad_tls_settings_are_refused_before_connecting(tls, monkeypatch):
+    with pytest.raises(ConfigError, match="etcd_cacert=/nowhere/ca.crt: no such file"):
+        EtcdAccess.from_config({"etcd_cacert": "/nowhere/ca.crt"})
+    with pytest.raises(ConfigError, match="etcd_cert and etcd_key go together"):
+        EtcdAccess.from_config({"etcd_cert": tls["client_cert"]})
+    monkeypatch.delenv("OOBLECK_ETCD_PASSWORD", raising=False)
+    with pytest.raises(ConfigError, match="set OOBLECK_ETCD_PASSWORD"):
+        EtcdAccess.from_config({"etcd_user": "root"})
+
+
+@pytest.mark.slow
+def test_a_local_job_on_etcd_with_tls_recovers_exactly(tmp_path, tls, failure_free):
+    import os
+
+    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=2,phase=backward"}
+    conf = f"store=etcd,etcd_cacert={tls['ca']},etcd_cert={tls['client_cert']},etcd_key={tls['client_key']}"
+    with etcd_process(tls=tls) as server:
+        proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=3",
+                               "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", f"--rdzv-conf={conf}",
+                               f"--rdzv-endpoint=127.0.0.1:{server.port}", "--rdzv-id=tlsjob", SCRIPT,
+                               *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "lost node(s) [1] at step 3" in proc.stdout
+    assert_matches(records(tmp_path / "job/metrics.jsonl")[-1], failure_free)
