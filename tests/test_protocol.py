@@ -270,3 +270,28 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes_and_dead_ones_never(s
     clock.every(0.2, lambda: store.add("lease/5", 1), until=60)
     clock.sleep(2.0)
     assert p.ready_joiners([0, 1, 2]) == [5], "node 3's lease stood still: it got ready and died"
+
+
+def test_a_joiner_stops_waiting_when_the_run_failed(store, clock):
+    """Run.join on the protocol: a published failure (RunFailed in a member) is the run's end
+    for a node not yet admitted, not a wait until elastic.join_timeout_s."""
+    import logging
+    import types
+
+    from oobleck_elastic.config import load_config
+    from oobleck_elastic.elastic.controller import Admitted, RunOver
+    from oobleck_elastic.elastic.run import Run
+    from oobleck_elastic.planning import WorkerRef
+
+    run = Run.__new__(Run)
+    run.protocol, run.me = protocol(store, clock), WorkerRef(5, 0)
+    run.who, run.log = types.SimpleNamespace(local_world_size=1), logging.getLogger("test")
+    run.cfg = load_config(None, ["elastic.join_timeout_s=300"])
+    store.set_json("generation", record(0).to_json())
+    clock.at(2.0, lambda: run.protocol.publish_failure("GiveUp: step 3 failed 4 times", "node 0 rank 0"))
+    assert isinstance(run.join(), RunOver) and clock.now < 2.5
+    assert run.protocol.failure()["by"] == "node 0 rank 0"
+    store.delete("failed")
+    clock.at(clock.now + 1.0, lambda: run.protocol.propose(record(1, nodes=((0, 1), (5,))), 1.0))
+    admitted = run.join()
+    assert isinstance(admitted, Admitted) and admitted.record.generation == 1

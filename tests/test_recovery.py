@@ -340,6 +340,7 @@ def test_a_run_that_cannot_go_on_says_so_and_stops_its_waiting_joiner(tmp_path):
     (it used to wait out elastic.join_timeout_s) and the launcher prints why and stops the job."""
     timeouts = ["--set", "elastic.join_timeout_s=280"]
     env = {**os.environ, "OOBLECK_FAULT": "node=1,step=1,phase=grad_sync,action=raise"}
+    started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=2",
                            "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}",
                            "--oobleck-add-node-at-step=0", SCRIPT, *job_args(tmp_path, "job"),
@@ -348,5 +349,8 @@ def test_a_run_that_cannot_go_on_says_so_and_stops_its_waiting_joiner(tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "oobleck: the run failed (node " in proc.stderr, proc.stderr[-2000:]
     assert "GiveUp: step 1 failed 4 times with every node alive" in proc.stderr, proc.stderr[-2000:]
-    joiner = (tmp_path / "logs/node2.log").read_text()
-    assert "the run finished before this node was admitted" in joiner, joiner[-2000:]
+    # the joiner left by itself (tests/test_protocol.py has the mechanism) or, not up yet, was
+    # stopped with the others: the job never waited out the joiner's 280 s join timeout
+    assert "waiting for node 2 to be admitted" not in (tmp_path / "logs/node2.log").read_text()
+    assert time.monotonic() - started < 200
+
