@@ -45,9 +45,9 @@ def test_a_schedule_that_cannot_fail_a_node_is_refused():
 def test_a_short_chaos_run_ends_with_the_failure_free_weights_and_no_process_left(tmp_path):
     args = job_args(tmp_path, "unused")  # the runner sets the record's paths itself (later --set wins)
     proc = subprocess.run(
-        [sys.executable, "-m", "oobleck_elastic.chaos", "--nodes=4", "--seed=3", "--mean-interval=2.5",
+        [sys.executable, "-m", "oobleck_elastic.chaos", "--nodes=4", "--seed=3", "--mean-interval=2",
          f"--out={tmp_path / 'out'}", "--timeout=400", "--reference-set", "planner.memory_per_worker=1GB",
-         SCRIPT, *args, "--set", "train.steps=40", "--set", "checkpoint.interval=4",
+         SCRIPT, *args, "--set", "train.steps=30", "--set", "checkpoint.interval=4",
          "--set", "elastic.collective_timeout_s=3", "--set", "elastic.lease_timeout_s=5",
          "--set", "elastic.agreement_timeout_s=20"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
