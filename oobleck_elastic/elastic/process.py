@@ -28,8 +28,12 @@ def watch_parent() -> None:
     """Workers die with their agent (a SIGKILLed agent would otherwise leave orphans): on Linux
     the kernel sends SIGKILL when the parent goes (prctl PR_SET_PDEATHSIG; torch's agents
     start workers from their main thread, whose exit is what the kernel watches); elsewhere a
-    thread polls the parent's pid."""
-    parent = os.getppid()
+    thread polls the parent's pid. The agent's pid comes from its environment (OOBLECK_AGENT_PID):
+    an agent SIGKILLed while this worker was still importing is gone already, and its orphan,
+    adopted by init, must not take init for its agent (the chaos run found such orphans)."""
+    parent = int(os.environ.get("OOBLECK_AGENT_PID", os.getppid()))
+    if os.getppid() != parent:  # the agent died before this worker got here
+        os._exit(1)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:

@@ -129,7 +129,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             # step boundary (Protocol.ready_joiners).
             self.log.info("joining the running job")
         os.environ.update(OOBLECK_STORE=self.store.url, OOBLECK_RUN_ID=self.store.run_id,
-                          OOBLECK_NODE_ID=str(node))
+                          OOBLECK_NODE_ID=str(node), OOBLECK_AGENT_PID=str(os.getpid()))
         if isinstance(self.store, EmbeddedStore):
             bootstrap = RendezvousStoreInfo(self.store.host, self.store.port)
         else:  # MASTER_ADDR/PORT for the workers; ours do not use them
