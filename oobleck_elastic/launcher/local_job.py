@@ -159,7 +159,8 @@ class LocalNodes:
 
     def signal(self, k: int, sig: signal.Signals) -> None:
         """Sends `sig` to every process of node k, its agent and its workers (torch starts each
-        worker in a process group of its own), as a machine would die (SIGKILL) or hang (SIGSTOP)."""
+        worker in a process group of its own), as a machine would die (SIGKILL) or hang (SIGSTOP).
+        A worker still starting (not yet watching its agent) is reached too."""
         try:
             agent = psutil.Process(self.procs[k].pid)
             tree = [agent, *agent.children(recursive=True)]
@@ -248,9 +249,9 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
             if protocol.finished():
                 # Nodes left out of the last generation (hung, fenced) never finish on their own.
                 members = set(protocol.current(10.0).nodes)
-                for p in procs:
+                for k, p in enumerate(procs):
                     if p.poll() is None and _node_of_pid(protocol, p.pid) not in members:
-                        os.killpg(p.pid, signal.SIGKILL)
+                        local.signal(k, signal.SIGKILL)
                 finished_at = finished_at or time.monotonic()
                 if time.monotonic() - finished_at > 30:
                     stuck = [p.pid for p in procs if p.poll() is None]
@@ -265,9 +266,9 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
         print("interrupted: killing every node", file=sys.stderr)
     finally:
         stopper.restore()
-        for p in procs:  # what is left is stuck or was interrupted twice (a SIGTERM would ask for a stop)
+        for k, p in enumerate(procs):  # what is left is stuck or was interrupted twice (a SIGTERM would ask for a stop)
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                local.signal(k, signal.SIGKILL)  # the agent and its workers, even one not watching it yet
                 p.wait()
         for log in logs:
             if log:
