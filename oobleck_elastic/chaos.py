@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     report = chaos_report(schedule.injections, cfg.monitoring.metrics_path)
     print(f"\nchaos report: seed {a.seed}, {a.nodes} nodes, {report.steps} steps in {wall:.0f} s"
           + (f" (stopped at --timeout {a.timeout:.0f} s before its last step: no hang is told apart from a"
-             " slow run, see the node logs)" if schedule.hung_run_over else ""))
+             " slow run, see the node logs)" if schedule.timed_out else ""))
     for line in report.lines():
         print(f"  {line}")
     print(f"  orphan processes: {len(orphans)}{' ' + str(orphans) if orphans else ''}")

@@ -56,7 +56,7 @@ class Run:
 
     def __init__(self, model: ModelSpec, dataset: Dataset, cfg: JobConfig, who: WorkerIdentity,
                  store: MembershipStore, fault=None, eval_dataset: Dataset | None = None) -> None:
-        self.model, self.cfg, self.who, self.store, self.fault = model, cfg, who, store, fault
+        self.model, self.cfg, self.who, self.fault = model, cfg, who, fault
         self.log = Prefixed(logger, lambda: worker_prefix(who.run_id, self.plan.generation if self.plan else None,
                                                           who.node, who.local_rank))
         self.me = WorkerRef(who.node, who.local_rank)

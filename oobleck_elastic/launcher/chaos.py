@@ -23,6 +23,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.local_job import LocalNodes
 
 __all__ = ["KINDS", "ChaosConfig", "ChaosSchedule", "Injection", "ChaosReport", "chaos_report"]
@@ -75,7 +76,7 @@ class ChaosSchedule:
 
     cfg: ChaosConfig
     injections: list[Injection] = field(default_factory=list)
-    hung_run_over: bool = False
+    timed_out: bool = False
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.cfg.seed)
@@ -88,7 +89,7 @@ class ChaosSchedule:
     def __call__(self, local: LocalNodes) -> None:
         now = time.monotonic()
         if now > self.deadline:
-            self.hung_run_over = True
+            self.timed_out = True
             raise KeyboardInterrupt  # the job's loop kills every node and reports the job unfinished
         progress = local.protocol.progress()
         if progress is None:
@@ -129,7 +130,7 @@ class ChaosSchedule:
         """Running nodes (by k) that are members of the current generation, not yet failed."""
         try:
             current = set(local.protocol.current(5.0).nodes)
-        except Exception:  # the pointer moves under us: try at the next turn
+        except (OobleckError, RuntimeError):  # the store busy or a record mid-write: try at the next turn
             return []
         return [k for k in local.running() if k not in self.killed and local.node_id(k) in current]
 
