@@ -14,6 +14,8 @@ import pytest
 
 import jobs
 from etcd_server import etcd_server
+from oobleck_elastic.elastic.protocol import RECORDS
+from oobleck_elastic.elastic.store import connect_store
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -81,20 +83,38 @@ def test_bad_config_fails_before_any_worker_starts(tmp_path):
     assert not (tmp_path / "logs").exists(), "no node was started"
 
 
-def test_local_job_on_etcd_recovers_and_matches_reference(tmp_path, failure_free):
-    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=2,phase=backward"}
+def test_two_local_jobs_on_one_etcd_recover_apart_match_the_reference_and_leave_only_their_records(
+        tmp_path, failure_free):
+    """Issue 14: jobs `etcdjob` (node 1 killed) and `other` (no failure) at once on one etcd;
+    each trains exactly, and all either leaves in etcd is its records (Note: [store keys])."""
+    def start(run_id, fault):
+        env = {**os.environ, "OOBLECK_FAULT": fault} if fault else dict(os.environ)
+        return subprocess.Popen(
+            [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=3", "--nproc-per-node=1",
+             f"--oobleck-log-dir={tmp_path / run_id / 'logs'}", "--rdzv-conf=store=etcd",
+             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}", jobs.SCRIPT,
+             *jobs.job_args(tmp_path, run_id), "--set", "planner.memory_per_worker=1GB"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
     with etcd_server() as port:
-        proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=3",
-                               "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}",
-                               "--rdzv-conf=store=etcd", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=etcdjob",
-                               jobs.SCRIPT, *jobs.job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"store etcd://127.0.0.1:{port}" in proc.stdout and "lost node(s) [1] at step 3" in proc.stdout
-    log = records(tmp_path / "job/metrics.jsonl")
-    assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(jobs.STEPS))
-    jobs.assert_matches(log[-1], failure_free)
-    assert not our_processes("--rdzv-id=etcdjob")
+        procs = {"etcdjob": start("etcdjob", "node=1,step=2,phase=backward"), "other": start("other", None)}
+        try:
+            out = {run_id: proc.communicate(timeout=300)[0] for run_id, proc in procs.items()}
+        finally:
+            for proc in procs.values():
+                proc.kill()
+        left = {run_id: connect_store(f"etcd://127.0.0.1:{port}", run_id).keys() for run_id in procs}
+    for run_id, proc in procs.items():
+        assert proc.returncode == 0, out[run_id]
+        log = records(tmp_path / run_id / "metrics.jsonl")
+        assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(jobs.STEPS))
+        jobs.assert_matches(log[-1], failure_free)
+        assert not our_processes(f"--rdzv-id={run_id}")
+        assert [k for k in left[run_id] if not RECORDS.fullmatch(k)] == [], f"{run_id} left working keys"
+        assert {"done", "generation", "generation/0", "nodes/0", "nodes/2/left"} <= set(left[run_id])
+    assert f"store etcd://127.0.0.1:{port}" in out["etcdjob"] and "lost node(s) [1] at step 3" in out["etcdjob"]
+    assert "lost node" not in out["other"]
+    assert "generation/1" in left["etcdjob"] and "generation/1" not in left["other"]
 
 
 def test_unknown_store_fails_before_any_node_starts(tmp_path):

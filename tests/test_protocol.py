@@ -99,6 +99,14 @@ class FakeStore(MembershipStore):
     def torch_store(self):
         raise NotImplementedError("no process groups on a fake store")
 
+    def keys(self) -> list[str]:
+        self._up()
+        return list(self.data)
+
+    def delete_keys(self, keys) -> int:
+        self._up()
+        return sum(self.data.pop(k, None) is not None for k in list(keys))
+
 
 @pytest.fixture
 def clock() -> FakeClock:

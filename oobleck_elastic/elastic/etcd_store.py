@@ -30,11 +30,12 @@ Start etcd 3.4 with the v2 API: `etcd --enable-v2 --listen-client-urls http://0.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
@@ -218,6 +219,38 @@ class EtcdStore(MembershipStore):
             self._torch_store = TorchEtcdStore(self._client, self._prefix + "torch",
                                                timedelta(seconds=self.timeout))
         return self._torch_store
+
+    def _paths(self) -> dict[str, str]:
+        """Each key's name (as written: `nodes/3/dead`, torch's `gen4/...`) -> its etcd path."""
+        try:
+            tree = self._call(self._client.read, self._prefix.rstrip("/"), recursive=True)
+        except etcd.EtcdKeyNotFound:
+            return {}
+        torch_dir = self._prefix + "torch/"
+        paths = {}
+        for leaf in tree.leaves:
+            if leaf.dir:
+                continue
+            if leaf.key.startswith(torch_dir):  # torch's etcd store writes base64 names
+                name = base64.b64decode(leaf.key[len(torch_dir):]).decode()
+            else:
+                name = leaf.key[len(self._prefix):].replace(".", "/")
+            paths[name] = leaf.key
+        return paths
+
+    def keys(self) -> list[str]:
+        return list(self._paths())
+
+    def delete_keys(self, keys: Iterable[str]) -> int:
+        paths, deleted = self._paths(), 0
+        for key in keys:
+            if key in paths:
+                try:
+                    self._call(self._client.delete, paths[key])
+                    deleted += 1
+                except etcd.EtcdKeyNotFound:
+                    pass
+        return deleted
 
 
 def _counter(value: int, token: str) -> str:

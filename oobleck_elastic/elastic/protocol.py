@@ -28,11 +28,22 @@ Note: [roll call]
     (Note: [next generation] in planning/recovery.py) with compare-and-set on
     `generation/<g+1>`; everyone adopts whatever won, and a worker whose node is not in it is
     fenced and exits.
+
+Note: [store keys]
+    A run's records stay in the store after it ends (RECORDS: the generation records, the
+    recoveries, the end record, each node's registration and its end); everything else is
+    working state and goes. Generation g's keys (`gen<g>/`: its steps, its build count and
+    torch's process-group bootstrap; `rollcall/<g>/`) are deleted by generation g+k's rank 0
+    after its first commit: every member has built g+k by then, so nobody still in the run reads
+    them, and a stale member of g that wakes up finds no commit to join (a fresh `ready` count
+    cannot reach g's world size without the others) and is fenced. What the agents use (leases,
+    readiness, torch's agent bookkeeping) goes when the last node leaves a finished run.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -46,6 +57,10 @@ __all__ = ["Fenced", "Protocol", "StepAborted", "WaitTimeout", "wait_until"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# The keys a run leaves behind (Note: [store keys]); README: etcd keys.
+RECORDS = re.compile(r"generation(/\d+)?|recovery/\d+|progress|done|resumed|failed|start_error|stop|closed"
+                     r"|limits|job|profile|nodes/next|nodes/\d+(/dead|/left)?")
+_GENERATION_KEY = re.compile(r"(?:gen|rollcall/)(\d+)/")
 LIVENESS_CHECK_S = 0.05  # how often a commit wait looks for dead members (store round trips)
 
 
@@ -368,6 +383,21 @@ class Protocol:
 
     def closed(self) -> bool:
         return self.store.try_get_json("closed") is not None
+
+    def forget_generations_before(self, generation: int) -> int:
+        """Deletes the working keys of the generations before `generation` (Note: [store
+        keys]); how many went. Only once every member has built `generation`."""
+        return self.store.delete_keys(k for k in self.store.keys()
+                                      if (m := _GENERATION_KEY.match(k)) and int(m.group(1)) < generation)
+
+    def forget_working_state(self) -> int:
+        """Deletes every key but the run's RECORDS, once no node is left in a finished run."""
+        return self.store.delete_keys(k for k in self.store.keys() if not RECORDS.fullmatch(k))
+
+    def everyone_left(self) -> bool:
+        """Whether every node that registered has left or is marked dead."""
+        return all(self.has_left(n) or self.store.try_get_json(f"nodes/{n}/dead") is not None
+                   for n in range(self.registered()))
 
     # --- the reporting worker's mirror, read by the launcher ----------------------------------
 

@@ -163,6 +163,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self.protocol.leave(self.node)
             if self.hosting:
                 self._wait_for_others_to_leave()
+            if self.protocol.finished() and self.protocol.everyone_left():  # the last to leave
+                self.protocol.forget_working_state()  # Note: [store keys] in elastic/protocol.py
         except (torch.distributed.DistError, StoreUnreachable) as exc:  # its host is gone
             self.log.warning("could not leave the run cleanly: %s", str(exc).splitlines()[0])
             return False

@@ -75,6 +75,7 @@ class Run:
         self.change: tuple[int, dict[str, float], float] | None = None  # (from generation, phases, started)
         self.max_nodes: int | None = None
         self.stop_requested = False  # set on SIGTERM (Note: [stop on request])
+        self.forgotten = 0  # the store holds no working keys of the generations before it
         self.last_step: tuple | None = None  # (stats, plan) of the last committed step
         self.summaries: tuple[list[float], list[float]] | None = None
 
@@ -285,6 +286,9 @@ class Run:
             self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
         self.save_checkpoint(final=decision.stop)  # a failure before it is written is recovered
+        if plan.generation > self.forgotten and plan.rank_of(self.me) == 0:  # Note: [store keys]
+            self.protocol.forget_generations_before(plan.generation)
+            self.forgotten = plan.generation
         return StepDone(computed.stats.step, decision.join, decision.stop)
 
     def save_checkpoint(self, final: bool = False) -> None:

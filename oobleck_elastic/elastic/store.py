@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -119,6 +120,15 @@ class MembershipStore(abc.ABC):
     def torch_store(self) -> dist.Store:
         """A torch Store for process groups (each generation prefixes it)."""
 
+    @abc.abstractmethod
+    def keys(self) -> list[str]:
+        """Every key of this run, ours and those torch wrote through `torch_store` (process
+        group bootstrap under `gen<g>/`, an agent's bookkeeping under `agent<n>/`)."""
+
+    @abc.abstractmethod
+    def delete_keys(self, keys: Iterable[str]) -> int:
+        """Removes these keys (names as `keys` gives them) where they exist; how many it did."""
+
 
 class EmbeddedStore(MembershipStore):
     """A TCPStore hosted by the launcher (or the first agent) at the rendezvous endpoint; the
@@ -167,6 +177,13 @@ class EmbeddedStore(MembershipStore):
 
     def torch_store(self) -> dist.Store:
         return self._store
+
+    def keys(self) -> list[str]:
+        prefix = f"oobleck/{self.run_id}/"
+        return [k[len(prefix):] for k in self._tcp.list_keys() if k.startswith(prefix)]
+
+    def delete_keys(self, keys: Iterable[str]) -> int:
+        return sum(bool(self._store.delete_key(k)) for k in keys)
 
 
 def host_store(host: str, port: int, run_id: str, timeout: float = 60.0) -> EmbeddedStore:
