@@ -54,3 +54,28 @@ def test_config_never_imports_torch():
     name is checked by runtime/supported.py."""
     for path in (PACKAGE / "config").rglob("*.py"):
         assert not any(n == "torch" or n.startswith("torch.") for n in imports_of(path)), path.name
+
+
+# torch.distributed calls that pickle what they send and unpickle what they receive
+PICKLING_COLLECTIVES = {"send_object_list", "recv_object_list", "broadcast_object_list", "all_gather_object",
+                        "gather_object", "scatter_object_list"}
+
+
+def test_nothing_that_crosses_the_network_is_unpickled():
+    """Issue 14, exposure: stores hold JSON, process groups carry tensors, and pipeline stages
+    get static shapes (runtime.generation Note: [static stage shapes]); no module unpickles what
+    a peer sent. DCP's metadata file (a pickle torch writes, read back from the checkpoint
+    directory by the job itself) and `torch.load(..., weights_only=True)` are local files."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            owner = getattr(node.func.value, "id", "") if isinstance(node.func, ast.Attribute) else ""
+            if name in PICKLING_COLLECTIVES or (owner == "pickle" and name in {"load", "loads"}):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}")
+            if name == "load" and owner == "torch" and not any(
+                    k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in node.keywords):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} torch.load without weights_only=True")
+    assert not found, found
