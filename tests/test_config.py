@@ -46,7 +46,7 @@ def test_defaults_and_file_and_overrides(tmp_path):
     (["fault_tolerance=-1"], "fault_tolerance must be >= 0, got -1"),
     (["planner.memory_per_worker=12XB"], "planner.memory_per_worker must be a byte count"),
     (["elastic.lease_timeout_s=5"], "collective_timeout_s < lease_timeout_s < agreement_timeout_s"),
-    (["elastic.rollcall_window_s=1"], "elastic.rollcall_window_s (1.0) must be at least 3 heartbeats (3 x 0.5)"),
+    (["elastic.rollcall_window_s=0.5"], "elastic.rollcall_window_s (0.5) must be at least 3 heartbeats (3 x 0.2)"),
     (["elastic.rollcall_window_s=20"], "and at most elastic.lease_timeout_s (15.0)"),
     (["checkpoint.interval=-2"], "checkpoint.interval must be >= 0"),
     (["checkpoint.keep=0"], "checkpoint.keep must be >= 1 or null (keep all), got 0"),

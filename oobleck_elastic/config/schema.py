@@ -282,7 +282,7 @@ class MonitoringConfig:
 class ElasticConfig:
     """Timeouts of the elastic layer, ordered so they never race (see DESIGN.md)."""
 
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = 0.2
     """Seconds between lease renewals."""
     collective_timeout_s: float = 10.0
     """Process-group timeout: a collective that waits longer raises."""
@@ -290,7 +290,7 @@ class ElasticConfig:
     """A node whose lease is older than this is dead (catches hangs and partitions)."""
     agreement_timeout_s: float = 30.0
     """Longest wait for the survivors to agree on the next generation."""
-    rollcall_window_s: float = 2.0
+    rollcall_window_s: float = 0.6
     """After an error, a member that has not checked in is dead once its lease has stood still
     this long (at least 3 heartbeats: a live agent's lease keeps moving)."""
     join_timeout_s: float = 300.0
@@ -307,7 +307,7 @@ class ElasticConfig:
                "elastic timeouts must be ordered collective_timeout_s < lease_timeout_s < "
                f"agreement_timeout_s, got {self.collective_timeout_s} < {self.lease_timeout_s} < "
                f"{self.agreement_timeout_s}")
-        _check(3 * self.heartbeat_interval_s <= self.rollcall_window_s <= self.lease_timeout_s,
+        _check(3 * self.heartbeat_interval_s <= self.rollcall_window_s * (1 + 1e-9) <= self.lease_timeout_s * (1 + 1e-9),
                f"elastic.rollcall_window_s ({self.rollcall_window_s}) must be at least 3 heartbeats "
                f"(3 x {self.heartbeat_interval_s}) so a live node is never taken for dead, and at most "
                f"elastic.lease_timeout_s ({self.lease_timeout_s})")

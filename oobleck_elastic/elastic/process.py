@@ -20,6 +20,7 @@ from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError
 
 __all__ = ["check_lease", "stop_or_die", "watch_parent"]
+_ROUNDING = 1 + 1e-9  # 3 x 0.2 is 0.6000000000000001: a heartbeat that divides a timeout exactly fits it
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -56,7 +57,7 @@ def check_lease(store: MembershipStore, node: int, cfg: JobConfig) -> None:
     healthy nodes look dead."""
     beat = (Protocol(store).node_info(node) or {}).get("heartbeat_s")
     ela = cfg.elastic
-    if beat is not None and (2 * beat > ela.lease_timeout_s or 3 * beat > ela.rollcall_window_s):
+    if beat is not None and (2 * beat > ela.lease_timeout_s * _ROUNDING or 3 * beat > ela.rollcall_window_s * _ROUNDING):
         raise OobleckError(
             f"node {node}'s agent renews its lease every {beat} s, too slow for "
             f"elastic.lease_timeout_s={ela.lease_timeout_s} (2 beats) and elastic.rollcall_window_s="

@@ -101,7 +101,8 @@ class Protocol:
                  wall: Callable[[], float] = time.time) -> None:
         self.store, self.lease_timeout = store, lease_timeout
         self.clock, self.sleep, self.wall = clock, sleep, wall
-        self._seen: dict[int, tuple[int, float]] = {}  # node -> (lease count, when it last moved)
+        self._seen: dict[int, tuple[object, float]] = {}  # node -> (lease beat, when it last moved)
+        self._beats: dict[int, int] = {}  # the beats this protocol renewed, per node
 
     def wait(self, what: str, check: Callable[[], T | None], timeout: float) -> T:
         return wait_until(what, check, timeout, self.store.poll_s, clock=self.clock, sleep=self.sleep)
@@ -318,7 +319,7 @@ class Protocol:
             if self.store.try_get_json(f"nodes/{node}/dead") is not None:
                 out.add(node)
                 continue
-            beat = self.store.add(f"lease/{node}", 0)
+            beat = self.store.try_get_json(f"lease/{node}")
             last = self._seen.get(node)
             if last is None or last[0] != beat:
                 self._seen[node] = (beat, now)
@@ -337,7 +338,10 @@ class Protocol:
         return None
 
     def renew_lease(self, node: int) -> None:
-        self.store.add(f"lease/{node}", 1)
+        """One beat of `node`'s lease: a plain write of the beat's number (one etcd request, where
+        a counter takes a read and a compare-and-set); readers only look for it to change."""
+        self._beats[node] = self._beats.get(node, 0) + 1
+        self.store.set_json(f"lease/{node}", self._beats[node])
 
     def record_kill(self, node: int, record: dict) -> None:
         """A fault injector's kill (the first sign of the failure, for `failed_at`)."""

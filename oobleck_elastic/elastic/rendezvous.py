@@ -58,7 +58,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
     """One node's membership: its id, its lease, and the environment of its workers."""
 
     def __init__(self, store: MembershipStore, *, min_nodes: int, max_nodes: int, timeout: float,
-                 heartbeat_interval: float = 0.5) -> None:
+                 heartbeat_interval: float = 0.2) -> None:
         self.store = store
         self.protocol = Protocol(store)
         self.min_nodes = min_nodes
@@ -250,7 +250,7 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
 def create_handler(params: RendezvousParameters) -> OobleckRendezvousHandler:
     timeout = float(params.get("join_timeout", 600))
     # --rdzv-conf heartbeat_interval: our launcher passes the job's elastic.heartbeat_interval_s
-    heartbeat = float(params.get("heartbeat_interval", 0.5))
+    heartbeat = float(params.get("heartbeat_interval", 0.2))
     if heartbeat <= 0:
         raise ConfigError(f"--rdzv-conf heartbeat_interval must be > 0 seconds, got {heartbeat}")
     return OobleckRendezvousHandler(open_store(params, timeout), min_nodes=params.min_nodes,

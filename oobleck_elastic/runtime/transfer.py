@@ -1,14 +1,16 @@
 """Copies layer state (parameters, optimizer state) between workers, point to point.
 
 Note: [transfer wire format]
-    For each (layer, src, dst) of a transfer plan the sender flattens the layer's
-    `LayerState.state_tensors()` into one buffer per dtype, in order of first appearance, and
-    sends each with its own tag; the receiver, holding a freshly built replica of the same
-    layer (optimizer primed when the run has stepped), receives into buffers of the same shapes
-    and copies them in. Both sides derive shapes from the same layer factory, so nothing but
-    tensor bytes crosses the wire, and a recovered replica is bit-identical to its source.
-    All sends and receives are posted at once (isend/irecv) and then awaited, so the order of
-    transfers cannot deadlock.
+    For each (layer, src, dst) of a transfer plan the sender walks the layer's
+    `LayerState.state_tensors()` in order: each tensor of at least DIRECT_BYTES goes as a
+    message of its own, sent from and received into the tensor itself (no copy on either
+    side); the smaller ones are flattened into one buffer per dtype, in order of first
+    appearance, and copied in on arrival. Message k of transfer i has tag i * MESSAGES + k.
+    The receiver, holding a freshly built replica of the same layer (its optimizer primed
+    when the run has stepped), derives the same messages from the same layer factory, so
+    nothing but tensor bytes crosses the wire and a recovered replica is bit-identical to its
+    source. All sends and receives are posted at once (isend/irecv) and then awaited, so the
+    order of transfers cannot deadlock.
 """
 
 from __future__ import annotations
@@ -25,16 +27,23 @@ from oobleck_elastic.runtime.plan import GenerationPlan
 
 __all__ = ["run_transfers"]
 
-_TAGS_PER_TRANSFER = 16
+MESSAGES = 4096  # per transfer, at most
+DIRECT_BYTES = 1 << 18  # a tensor this large is its own message
 
 
-def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+def _messages(tensors: Sequence[torch.Tensor]) -> list[tuple[bool, list[torch.Tensor]]]:
+    """The layer's state as messages, (direct, tensors): a large contiguous tensor alone, sent
+    and received in place; the rest by dtype, through a flat buffer."""
+    direct, buckets = [], {}
     for t in tensors:
-        buckets.setdefault(t.dtype, []).append(t)
-    if len(buckets) > _TAGS_PER_TRANSFER:
-        raise ValueError(f"a layer's state has {len(buckets)} dtypes; at most {_TAGS_PER_TRANSFER} are supported")
-    return list(buckets.values())
+        if t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES:
+            direct.append((True, [t]))
+        else:
+            buckets.setdefault(t.dtype, []).append(t)
+    messages = direct + [(False, bucket) for bucket in buckets.values()]
+    if len(messages) > MESSAGES:
+        raise ValueError(f"a layer's state makes {len(messages)} messages; at most {MESSAGES} are supported")
+    return messages
 
 
 def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: WorkerRef, layers: LayerStore,
@@ -47,23 +56,28 @@ def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: Worke
     with torch.no_grad():
         for index, t in enumerate(transfers):
             if t.src == me:
-                for k, bucket in enumerate(_by_dtype(layers[t.layer].state_tensors())):
-                    flat = flatten([b.detach() for b in bucket])
+                held = [x.detach() for x in layers[t.layer].state_tensors()]
+                for k, (direct, message) in enumerate(_messages(held)):
+                    flat = message[0] if direct else flatten(message)
                     moved += flat.numel() * flat.element_size()
-                    pending.append(dist.isend(flat, dst=plan.rank_of(t.dst), tag=index * _TAGS_PER_TRANSFER + k))
+                    pending.append(dist.isend(flat, dst=plan.rank_of(t.dst), tag=index * MESSAGES + k))
             if t.dst == me:
                 state = layers.materialize(t.layer)
                 if stepped:
                     state.prime_optimizer()
-                for k, bucket in enumerate(_by_dtype(state.state_tensors())):
-                    flat = torch.empty(sum(b.numel() for b in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                for k, (direct, message) in enumerate(_messages([x.detach() for x in state.state_tensors()])):
+                    if direct:
+                        flat = message[0]  # received in place
+                    else:
+                        flat = torch.empty(sum(b.numel() for b in message), dtype=message[0].dtype,
+                                           device=message[0].device)
+                        receiving.append((flat, message))
                     moved += flat.numel() * flat.element_size()
-                    pending.append(dist.irecv(flat, src=plan.rank_of(t.src), tag=index * _TAGS_PER_TRANSFER + k))
-                    receiving.append((flat, bucket))
+                    pending.append(dist.irecv(flat, src=plan.rank_of(t.src), tag=index * MESSAGES + k))
         for work in pending:
             work.wait(timeout)
-        for flat, bucket in receiving:
-            for target, value in zip(bucket, unflatten(flat, bucket)):
+        for flat, message in receiving:
+            for target, value in zip(message, unflatten(flat, message)):
                 target.copy_(value)
     pending.clear()
     return moved
