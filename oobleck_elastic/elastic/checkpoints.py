@@ -108,6 +108,7 @@ class RunCheckpoints:
                 self.fault("checkpoint", step=done)
             if self.protocol.checkpoint_written(plan.generation, done, written) == self.model.num_layers:
                 mark_complete(ck.dir, done, self.ident, self.model.export, keep=ck.keep)
+                self.protocol.checkpoint_published(plan.generation, done)
             self.saved_step = done
 
         if ck.background and not final:

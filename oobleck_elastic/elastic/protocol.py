@@ -36,7 +36,9 @@ Note: [store keys]
     torch's process-group bootstrap; `rollcall/<g>/`) are deleted by generation g+k's rank 0
     after its first commit: every member has built g+k by then, so nobody still in the run reads
     them, and a stale member of g that wakes up finds no commit to join (a fresh `ready` count
-    cannot reach g's world size without the others) and is fenced. What the agents use (leases,
+    cannot reach g's world size without the others) and is fenced. A checkpoint's count of
+    written layers goes when the checkpoint is published (a background write may still add to
+    it after its generation ended; a count left by a failure goes at the end). What the agents use (leases,
     readiness, torch's agent bookkeeping) goes when the last node leaves a finished run.
 """
 
@@ -60,7 +62,8 @@ T = TypeVar("T")
 # The keys a run leaves behind (Note: [store keys]); README: etcd keys.
 RECORDS = re.compile(r"generation(/\d+)?|recovery/\d+|progress|done|resumed|failed|start_error|stop|closed"
                      r"|limits|job|profile|nodes/next|nodes/\d+(/dead|/left)?")
-_GENERATION_KEY = re.compile(r"(?:gen|rollcall/)(\d+)/")
+# a generation's working keys, but its checkpoint counts: a background write may still add to one
+_GENERATION_KEY = re.compile(r"(?:gen|rollcall/)(\d+)/(?!checkpoint\d+$)")
 LIVENESS_CHECK_S = 0.05  # how often a commit wait looks for dead members (store round trips)
 
 
@@ -262,6 +265,10 @@ class Protocol:
     def checkpoint_written(self, generation: int, step: int, layers: int) -> int:
         """Counts `layers` more layers of the checkpoint after `step` written; returns the total."""
         return self.store.add(f"gen{generation}/checkpoint{step}", layers)
+
+    def checkpoint_published(self, generation: int, step: int) -> None:
+        """The checkpoint after `step` is complete: its count can go (Note: [store keys])."""
+        self.store.delete(f"gen{generation}/checkpoint{step}")
 
     # --- membership ---------------------------------------------------------------------------
 

@@ -139,6 +139,7 @@ class RunReport:
             "cause": record["cause"], "lost": sorted(before - after), "joined": sorted(after - before),
             "step": plan.start_step, "actions": record.get("actions", []),
             "bytes_moved": sum(t.bytes for t in transfers), "transfers": len(transfers),
+            "copies": [[t.layer, t.src.node, t.dst.node] for t in transfers],
             "phases_s": phases, "total_s": total_s, "failed_at": failed_at}
 
     def flush_recovery(self, replay_s: float | None = None) -> None:

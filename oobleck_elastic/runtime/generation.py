@@ -82,6 +82,7 @@ class Generation:
                                 rank=self.rank, world_size=len(plan.members), timeout=timeout)
         self._closed = False
         try:
+            self._fault("bootstrap")
             self._make_groups(plan, timeout)
         except BaseException:
             # a peer died while the groups were made: a half-built generation leaves nothing

@@ -129,7 +129,7 @@ class Trainer:
         if transfers:
             self.fault("transfer")
         moved = run_transfers(transfers, plan, self.me, self.layers, stepped=self.completed_steps > 0,
-                              timeout=self.timeout)
+                              timeout=self.timeout, fault=self.fault)
         t2 = time.perf_counter()
         if restore_from is not None:
             self.fault("restore")

@@ -15,7 +15,7 @@ Note: [transfer wire format]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -46,10 +46,16 @@ def _messages(tensors: Sequence[torch.Tensor]) -> list[tuple[bool, list[torch.Te
     return messages
 
 
+def _no_fault(phase: str) -> None:
+    pass
+
+
 def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: WorkerRef, layers: LayerStore,
-                  *, stepped: bool, timeout: timedelta) -> int:
+                  *, stepped: bool, timeout: timedelta, fault: Callable[[str], None] = _no_fault) -> int:
     """Runs this worker's part of `transfers` in the current (new) generation's default group.
-    Layers received are created in `layers` first. Returns bytes sent plus received here."""
+    Layers received are created in `layers` first. Returns bytes sent plus received here.
+    `fault` is called with transfer_send / transfer_receive once this worker's sends / receives
+    are posted (testing/faults.py)."""
     pending = []
     receiving = []
     moved = 0
@@ -74,6 +80,10 @@ def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: Worke
                         receiving.append((flat, message))
                     moved += flat.numel() * flat.element_size()
                     pending.append(dist.irecv(flat, src=plan.rank_of(t.src), tag=index * MESSAGES + k))
+        if any(t.src == me for t in transfers):
+            fault("transfer_send")
+        if any(t.dst == me for t in transfers):
+            fault("transfer_receive")
         for work in pending:
             work.wait(timeout)
         for flat, message in receiving:

@@ -5,8 +5,11 @@ with `action=stop`, SIGSTOP the worker alone: a hung worker whose agent keeps th
     OOBLECK_FAULT="node=2,step=7,phase=backward;node=0,step=9,phase=commit"
 
 Phases: forward, backward, grad_sync, commit, committed (the step's commit decided, before
-anything is done with it), optimizer, build (a generation that starts at
-step K is being built: its process groups exist, no layer has moved), transfer, agreement,
+anything is done with it), optimizer, bootstrap (a generation that starts at step K is
+making its process groups: the default group exists, its subgroups do not), build (its process
+groups exist, no layer has moved), transfer (before layers move), transfer_send and
+transfer_receive (once this worker has posted its sends, or its receives, of the layer
+transfer, before they complete: a sender or a receiver dying mid-transfer), agreement,
 restore (while a generation restored from a checkpoint is built), checkpoint (once this worker has written its
 layers of the checkpoint after step K, before the checkpoint is published), eval (as the
 evaluation after step K begins), grow (a member, as joiners admitted after step K or later
@@ -36,8 +39,8 @@ from oobleck_elastic.errors import ConfigError
 __all__ = ["Fault", "parse_faults", "FaultInjector", "KillRecorder", "PHASES"]
 
 ACTIONS = ("kill", "stop", "slow", "raise", "glitch")
-PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "build", "transfer", "agreement", "restore",
-          "checkpoint", "eval", "grow", "admit")
+PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "bootstrap", "build", "transfer",
+          "transfer_send", "transfer_receive", "agreement", "restore", "checkpoint", "eval", "grow", "admit")
 AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fire at
 
 
