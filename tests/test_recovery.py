@@ -149,29 +149,35 @@ def test_node_joins_mid_run_after_a_failure(tmp_path):
     assert_matches([r for r in log if r.get("event") == "final"][0], records(ref_dir / "ref/metrics.jsonl")[-1])
 
 
-# After node 1 dies at step 2, generation 1 copies layer 3 from node 3 to node 0 and layer 4
-# from node 4 to node 2 (pipeline 0 re-instantiated on nodes 0 and 2; the recovery record's
-# `copies` says so). A second kill then lands in one window of that recovery.
-@pytest.mark.parametrize("second, lost, restored", [
-    ("node=0,step=2,phase=transfer_receive", [0, 1], None),  # a receiver, mid-transfer: pipeline 1 holds all
-    ("node=2,step=2,phase=bootstrap", [1, 2], None),  # while generation 1 makes its process groups
-    ("node=3,step=2,phase=transfer_send", [1, 3], 2),  # a sender, mid-transfer: layer 3 had no other copy
+# After node 1 dies at step 3, generation 1 re-instantiates its pipeline on survivors, which
+# receive the layers node 1 held from the other pipeline (the recovery record's `copies`). Which
+# nodes send and receive depends on the measured profile, so a second fault is armed on every
+# other node and fires on those that reach its window.
+@pytest.mark.parametrize("phase, restored", [
+    ("transfer_receive", None),  # the receivers die mid-transfer: the other pipeline holds every layer
+    ("bootstrap", None),  # every survivor, while generation 1 makes its process groups
+    ("transfer_send", 2),  # the senders die mid-transfer: they held the only other copies
 ])
-def test_a_second_kill_in_each_window_of_a_recovery(tmp_path, failure_free, second, lost, restored):
-    env = {**os.environ, "OOBLECK_FAULT": f"node=1,step=2,phase=backward;{second}"}
+def test_a_second_kill_in_each_window_of_a_recovery(tmp_path, failure_free, phase, restored):
+    second = ";".join(f"node={n},step=3,phase={phase}" for n in ((2,) if phase == "bootstrap" else (0, 2, 3, 4)))
+    env = {**os.environ, "OOBLECK_FAULT": f"node=1,step=3,phase=backward;{second}"}
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
                            "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT,
-                           *job_args(tmp_path, "job"), "--set", "checkpoint.interval=2"],
+                           *job_args(tmp_path, "job"), "--set", "checkpoint.interval=2",
+                           "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = records(tmp_path / "job/metrics.jsonl")
     recoveries = [r for r in log if r.get("event") == "recovery"]
-    assert sorted(n for r in recoveries for n in r["lost"]) == lost
+    lost = sorted(n for r in recoveries for n in r["lost"])
+    assert 1 in lost and len(lost) >= 2, f"the second fault never fired: lost {lost}"
     assert [r["restored_from"] for r in recoveries if r["restored_from"] is not None] == ([restored] if restored else [])
-    if restored is not None:  # beyond f: the checkpoint, said so, and the steps after it again
-        assert f"restored the checkpoint of step {restored}" in proc.stdout
     steps = [r["step"] for r in log if "step" in r and "event" not in r]
-    assert steps == list(range(STEPS)), "each step once (the checkpoint was of the step that failed)"
+    if restored is None:
+        assert steps == list(range(STEPS)), "each step once"
+    else:  # beyond f: the checkpoint after step 2, said so, and the steps after it again
+        assert f"restored the checkpoint of step {restored}" in proc.stdout
+        assert steps == [0, 1, 2, *range(restored, STEPS)]
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
@@ -189,7 +195,7 @@ def test_a_node_killed_while_a_checkpoint_is_written_leaves_it_unpublished_and_t
     log = records(tmp_path / "job/metrics.jsonl")
     assert [r["lost"] for r in log if r.get("event") == "recovery"] == [[1]]
     assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(STEPS))
-    assert [step for step, _ in checkpoints(str(tmp_path / "ckpt"))] == [2, 6]
+    assert sorted(step for step, _ in checkpoints(str(tmp_path / "ckpt"))) == [2, 6]
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
