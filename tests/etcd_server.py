@@ -3,6 +3,8 @@ on, stopped (and its data removed) when the `with` block ends."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
 import socket
@@ -90,6 +92,23 @@ class EtcdServer:
     def remove(self) -> None:
         self.stop()
         shutil.rmtree(self.data, ignore_errors=True)
+
+
+def enable_auth(port: int, password: str) -> None:
+    """Turns on etcd's v2 auth with a `root` user and takes every right from the guest role, so
+    a request without the right user and password is refused."""
+    def request(method: str, path: str, body: dict | None = None, auth: bool = False) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/auth/{path}", method=method,
+                                     data=json.dumps(body).encode() if body is not None else None,
+                                     headers={"Content-Type": "application/json"})
+        if auth:
+            req.add_header("Authorization", "Basic " + base64.b64encode(f"root:{password}".encode()).decode())
+        with urllib.request.urlopen(req, timeout=10):
+            pass
+
+    request("PUT", "users/root", {"user": "root", "password": password})
+    request("PUT", "enable")
+    request("PUT", "roles/guest", {"role": "guest", "revoke": {"kv": {"read": ["/*"], "write": ["/*"]}}}, auth=True)
 
 
 @contextmanager

@@ -1,6 +1,7 @@
-"""etcd with TLS and client certificates (issue 14): `--rdzv-conf etcd_cacert=...,etcd_cert=...,
-etcd_key=...` reaches every client (agents, the launcher, the workers through their store URL,
-torch's c10d store for process groups); wrong settings are one clear line."""
+"""etcd with TLS and client certificates, and with v2 user auth (issue 14): `--rdzv-conf
+etcd_cacert=...,etcd_cert=...,etcd_key=...,etcd_user=...` reaches every client (agents, the
+launcher, the workers through their store URL, torch's c10d store for process groups); wrong
+settings are one clear line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from etcd_server import etcd_process, make_tls
+from etcd_server import enable_auth, etcd_process, make_tls
 from jobs import SCRIPT, assert_matches, job_args, records
 from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
 from oobleck_elastic.elastic.store import StoreUnreachable, connect_store
@@ -65,3 +66,22 @@ def test_a_local_job_on_etcd_with_tls_recovers_exactly(tmp_path, tls, failure_fr
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "lost node(s) [1] at step 3" in proc.stdout
     assert_matches(records(tmp_path / "job/metrics.jsonl")[-1], failure_free)
+
+
+def test_a_user_with_its_password_reads_and_writes_and_a_wrong_one_is_one_line(monkeypatch):
+    with etcd_process() as server:
+        enable_auth(server.port, "s3cret")
+        monkeypatch.setenv("OOBLECK_ETCD_PASSWORD", "s3cret")
+        access = EtcdAccess.from_config({"etcd_user": "root"})
+        store = EtcdStore("127.0.0.1", server.port, "authed", access=access)
+        store.set_json("k", {"v": 1})
+        worker = connect_store(store.url, "authed")  # a worker: the user from the URL, the password from its env
+        assert worker.try_get_json("k") == {"v": 1} and "s3cret" not in store.url
+        torch_store = worker.torch_store()
+        torch_store.set("x", b"1")
+        assert torch_store.get("x") == b"1"
+        monkeypatch.setenv("OOBLECK_ETCD_PASSWORD", "wrong")
+        with pytest.raises(StoreUnreachable, match=r"refused user 'root' .*OOBLECK_ETCD_PASSWORD"):
+            EtcdStore("127.0.0.1", server.port, "authed", access=access)
+        with pytest.raises(StoreUnreachable, match=r"refused a client without a user .*--rdzv-conf etcd_user"):
+            EtcdStore("127.0.0.1", server.port, "authed")

@@ -147,6 +147,12 @@ class EtcdStore(MembershipStore):
                 raise StoreUnreachable(
                     f"etcd at {self.host}:{self.port} is unreachable{lasted} ({str(exc)[:120]}); start it with "
                     "--enable-v2 (the v2 API python-etcd speaks) or fix --rdzv-endpoint") from exc
+            except etcd.EtcdInsufficientPermissions as exc:
+                who = f"user {self.access.username!r}" if self.access.username else "a client without a user"
+                raise StoreUnreachable(
+                    f"etcd at {self.host}:{self.port} refused {who} ({' '.join(str(exc).split())[:120]}); "
+                    "pass --rdzv-conf etcd_user=NAME with its password in OOBLECK_ETCD_PASSWORD (a user "
+                    f"whose role may read and write /oobleck/{self.run_id})") from exc
             except etcd.EtcdException as exc:
                 raise StoreUnreachable(
                     f"etcd at {self.host}:{self.port} failed a request ({type(exc).__name__}: "
