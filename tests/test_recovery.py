@@ -90,8 +90,7 @@ def test_two_simultaneous_kills_with_f2(tmp_path, failure_free):
 
 @pytest.mark.parametrize("fault, lost", [
     ("node=1,step=2,phase=backward;node=0,step=2,phase=agreement", [0, 1]),  # the lowest node: the old proposer
-    ("node=1,step=2,phase=backward;node=0,step=2,phase=transfer", [0, 1]),   # while layers move
-])
+])  # kills during the transfer: test_a_second_kill_in_each_window_of_a_recovery
 def test_second_kill_during_recovery(tmp_path, failure_free, fault, lost):
     _, log = run_with_faults(tmp_path, 5, fault)
     recoveries = [r for r in log if r.get("event") == "recovery"]
