@@ -58,6 +58,20 @@ class StageModule(nn.Module):
         return grad
 
 
+def _count_group_names_from_zero() -> None:
+    """Note: [group names]
+        torch names the default group, and each new_group after it, by a per-process counter
+        (`distributed_c10d._world.group_count`), and those names prefix the groups' store keys.
+        destroy_process_group() sets it back to 0, but an init_process_group that failed (a
+        peer died during the rendezvous) has already counted and leaves no group to destroy.
+        That process's next generation then waits on keys such as `gen559/85//cpu//0/1` that
+        its peers, counting from 0, never write: every attempt times out on both sides, for
+        ever (the 30-minute chaos run found this livelock). Each generation starts the count at
+        0 itself; torch offers no public way to, so this sets the private counter."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
+
+
 class Generation:
     """Process groups, pipeline stage, schedule and gradient groups of one generation."""
 
@@ -78,6 +92,7 @@ class Generation:
         self._schedule_name = schedule
         self._fault = fault
         self._closed = True  # until the default group exists
+        _count_group_names_from_zero()
         dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{plan.generation}", store),
                                 rank=self.rank, world_size=len(plan.members), timeout=timeout)
         self._closed = False
