@@ -7,7 +7,7 @@ import pytest
 
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome, RecordError, Resumed, StepDecision
 from oobleck_elastic.planning import build_instantiation, layer_holders
-from oobleck_elastic.planning.recovery import Base, NoCheckpointError, plan_next, transfers_between
+from oobleck_elastic.planning.recovery import Base, NoCheckpointError, is_replay, plan_next, transfers_between
 from runtime_harness import templates_for
 
 TEMPLATES = templates_for(6, 6)
@@ -44,6 +44,16 @@ def test_every_node_alive_is_a_replay_on_the_bases_layout():
     assert layout.instantiation == BASE.instantiation and layout.base == 3
     assert layout.actions == ("every node answered the roll call: rebuilt with the same nodes",)
     assert transfers_between(TEMPLATES, BASE.instantiation, layout.instantiation) == []
+
+
+def test_the_same_nodes_again_are_a_replay_whether_or_not_there_is_a_base():
+    """A replay is counted (and gives up after a few); a restored layout whose build failed with
+    both its nodes alive is one too (the chaos run looped on one for ever)."""
+    assert is_replay(BASE, alive=[0, 1, 2, 3, 4], dead=[])
+    assert is_replay(None, alive=[254, 257], dead=[])
+    assert not is_replay(BASE, alive=[0, 1, 2, 4], dead=[3])
+    assert not is_replay(None, alive=[254], dead=[257])
+    assert not is_replay(BASE, alive=[0, 1, 2, 3], dead=[]), "node 4 neither answered nor is known dead"
 
 
 def test_a_joiner_lost_before_it_was_built_in_goes_back_to_the_bases_layout():

@@ -32,7 +32,7 @@ from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import RunFailed
 from oobleck_elastic.planning import WorkerRef, instantiate, layer_holders
-from oobleck_elastic.planning.recovery import Base, NextLayout, NoCheckpointError, plan_next, transfers_between
+from oobleck_elastic.planning.recovery import Base, NextLayout, NoCheckpointError, is_replay, plan_next, transfers_between
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.trainer import Dataset, Trainer
@@ -357,7 +357,7 @@ class Run:
         base_g = old.generation if complete else failed.base
         base = Base(base_g, self._record(base_g).instantiation) if base_g is not None else None
         record = self._propose(old, base, alive, dead, step, cause, fresh=failed.restored_from is None)
-        replay = base is not None and not dead and set(base.instantiation.nodes) <= set(alive)
+        replay = is_replay(base, alive, dead)
         phases = self.change[1]
         for name, value in (("teardown", t1 - t0), ("agree", time.perf_counter() - t1)):
             phases[name] = phases.get(name, 0.0) + value

@@ -24,7 +24,7 @@ from oobleck_elastic.planning.instantiate import Instantiation, fresh_layout
 from oobleck_elastic.planning.reconfigure import Transfer, plan_transfers, reconfigure
 from oobleck_elastic.planning.templates import TemplateSet
 
-__all__ = ["Base", "NextLayout", "NoCheckpointError", "plan_next", "transfers_between"]
+__all__ = ["Base", "NextLayout", "NoCheckpointError", "is_replay", "plan_next", "transfers_between"]
 
 
 class NoCheckpointError(OobleckError):
@@ -102,6 +102,15 @@ def _restore(templates: TemplateSet, alive: Sequence[int], dead: tuple[int, ...]
               "no checkpoint yet: started the run again from its initial state (step 0)")
     return NextLayout(instantiation=inst, start_step=step, base=None, restored_from=step, lost=dead,
                       actions=(f"{action} on nodes {list(inst.nodes)}",))
+
+
+def is_replay(base: Base | None, alive: Sequence[int], dead: Sequence[int]) -> bool:
+    """Whether the next generation runs on the same nodes as the one that failed: nobody died
+    and every node of the base answered (or, with no base, a restored or restarted layout
+    tried again). Such failures are not node failures; the controller counts them, doubles
+    the timeout each time and gives up after a few (elastic.controller), so a build that
+    fails the same way with every node alive cannot loop for ever."""
+    return not dead and (base is None or set(base.instantiation.nodes) <= set(alive))
 
 
 def transfers_between(templates: TemplateSet, base: Instantiation | None, after: Instantiation) -> list[Transfer]:
