@@ -30,7 +30,7 @@ from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
 from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.store import MembershipStore
-from oobleck_elastic.errors import RunFailed
+from oobleck_elastic.errors import OobleckError, RunFailed
 from oobleck_elastic.planning import WorkerRef, instantiate, layer_holders
 from oobleck_elastic.planning.recovery import Base, NextLayout, NoCheckpointError, is_replay, plan_next, transfers_between
 from oobleck_elastic.runtime.model import ModelSpec
@@ -287,8 +287,12 @@ class Run:
         self.trainer.apply(computed)
         self.save_checkpoint(final=decision.stop)  # a failure before it is written is recovered
         if plan.generation > self.forgotten and plan.rank_of(self.me) == 0:  # Note: [store keys]
-            self.protocol.forget_generations_before(plan.generation)
             self.forgotten = plan.generation
+            try:
+                self.protocol.forget_generations_before(plan.generation)
+            except (RuntimeError, OobleckError) as exc:  # housekeeping: the step is committed and applied
+                self.log.warning("could not delete the keys of generations before %d: %s", plan.generation,
+                                 str(exc).splitlines()[0][:160])
         return StepDone(computed.stats.step, decision.join, decision.stop)
 
     def save_checkpoint(self, final: bool = False) -> None:
