@@ -60,3 +60,22 @@ def test_a_node_lost_while_the_first_generation_is_built_does_not_end_the_run(tm
     steps = [r for r in log if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == list(range(6)) and steps[0]["nodes"] <= 3
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_a_lone_survivor_waits_for_a_replacement_and_restores_the_checkpoint_with_it(tmp_path, failure_free):
+    """Three of four nodes die at once and the smallest pipeline needs two: node 0 waits for the
+    node started meanwhile (elastic.join_timeout_s) and restores the checkpoint with it, exactly
+    (the chaos run found a single survivor ending the run with a planning error)."""
+    kills = ";".join(f"node={n},step=3,phase=backward" for n in (1, 2, 3))
+    log = run_job(tmp_path, 4, kills, ("--oobleck-add-node-at-step=3",),
+                  ("--set", "checkpoint.interval=2", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"))
+    recoveries = [r for r in log if r.get("event") == "recovery"]
+    # the three reach step 3's backward at different moments: one or two recoveries
+    assert sorted(n for r in recoveries for n in r["lost"]) == [1, 2, 3], recoveries
+    assert (recoveries[-1]["joined"], recoveries[-1]["restored_from"]) == ([4], 2), recoveries
+    assert any("only 1 node(s) left and the smallest pipeline needs 2" in f.read_text()
+               for f in (tmp_path / "logs").glob("*.log"))
+    steps = [r for r in log if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps][:3] == [0, 1, 2] and [r["step"] for r in steps][-4:] == [2, 3, 4, 5]
+    assert steps[-1]["nodes"] == 2
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)

@@ -26,7 +26,7 @@ from oobleck_elastic.elastic.controller import (
 )
 from oobleck_elastic.elastic.job import WorkerIdentity, job_description, plan_run
 from oobleck_elastic.elastic.logs import Prefixed, worker_prefix
-from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted
+from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted, WaitTimeout
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
 from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.store import MembershipStore
@@ -360,12 +360,36 @@ class Run:
         complete = self.protocol.complete(old.generation, len(old.members))
         base_g = old.generation if complete else failed.base
         base = Base(base_g, self._record(base_g).instantiation) if base_g is not None else None
+        if len(alive) < self.templates.min_nodes:
+            alive = alive + self._await_joiners(old, alive)
         record = self._propose(old, base, alive, dead, step, cause, fresh=failed.restored_from is None)
         replay = is_replay(base, alive, dead)
         phases = self.change[1]
         for name, value in (("teardown", t1 - t0), ("agree", time.perf_counter() - t1)):
             phases[name] = phases.get(name, 0.0) + value
         return Proposed(record, replay)
+
+    def _await_joiners(self, old: GenerationPlan, alive: list[int]) -> list[int]:
+        """Too few nodes survived for the smallest pipeline: waits (elastic.join_timeout_s) for
+        ready joiners, replacements say, to make up the difference, and returns them (they are
+        in the next generation like any node that joins). The chaos run found a single survivor
+        crashing the run where a replacement was already waiting."""
+        need = self.templates.min_nodes
+        self.log.warning("only %d node(s) left and the smallest pipeline needs %d: waiting up to %.0f s for "
+                         "nodes to join (elastic.join_timeout_s)", len(alive), need, self.cfg.elastic.join_timeout_s)
+        members = set(old.instantiation.nodes) | set(alive)
+
+        def enough() -> list[int] | None:
+            ready = self.protocol.ready_joiners(members, self.max_nodes)
+            return ready if len(alive) + len(ready) >= need else None
+        try:
+            return self.protocol.wait(f"{need - len(alive)} more node(s) to join", enough,
+                                      self.cfg.elastic.join_timeout_s)
+        except WaitTimeout as exc:
+            raise RunFailed(f"only {len(alive)} node(s) are left and no other node joined within "
+                            f"elastic.join_timeout_s ({self.cfg.elastic.join_timeout_s:.0f} s); the smallest pipeline "
+                            f"needs {need}. Start the job again on enough nodes: it resumes from its newest "
+                            "checkpoint") from exc
 
     def _propose(self, old: GenerationPlan, base: Base | None, alive: list[int], dead: list[int], step: int,
                  cause: str, fresh: bool = False) -> GenerationRecord:
