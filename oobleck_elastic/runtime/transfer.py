@@ -2,7 +2,7 @@
 
 Note: [transfer wire format]
     For each (layer, src, dst) of a transfer plan the sender flattens the layer's
-    `LayerState.state_tensors()` into one buffer per dtype, in order of first appearance, and
+    `LayerState.state_tensors()` into one buffer per (device, dtype), in order of first appearance, and
     sends each with its own tag; the receiver, holding a freshly built replica of the same
     layer (optimizer primed when the run has stepped), receives into buffers of the same shapes
     and copies them in. Both sides derive shapes from the same layer factory, so nothing but
@@ -29,9 +29,11 @@ _TAGS_PER_TRANSFER = 16
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+    # by device too: on CUDA an optimizer keeps its step counters on the CPU (they travel on
+    # gloo, the parameters device to device on NCCL: runtime.devices Note: [devices])
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        buckets.setdefault(t.dtype, []).append(t)
+        buckets.setdefault((t.device, t.dtype), []).append(t)
     if len(buckets) > _TAGS_PER_TRANSFER:
         raise ValueError(f"a layer's state has {len(buckets)} dtypes; at most {_TAGS_PER_TRANSFER} are supported")
     return list(buckets.values())
