@@ -117,7 +117,7 @@ def test_four_nodes_bf16_mixed_with_a_kill_follow_the_fp32_reference(tmp_path):
     mixed = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=4",
                             "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT,
                             *_job(tmp_path, "job", "--set", "train.precision=bf16-mixed",
-                                  "--set", "planner.memory_per_worker=16MB")],
+                                  "--set", "planner.memory_per_worker=8MB")],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     out, _ = ref.communicate(timeout=400)
     assert ref.returncode == 0, out
