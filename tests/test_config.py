@@ -142,3 +142,15 @@ def test_precision_and_its_former_name(overrides, precision, param, compute):
     assert train.mixed == (precision == "bf16-mixed") and train.dtype is None
     assert dataclasses.replace(train, steps=3).precision == precision  # a loaded config replaces cleanly
     assert train.device == "auto"
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_worker_starts(monkeypatch):
+    from oobleck_elastic.runtime.devices import resolve_device
+    from oobleck_elastic.runtime.supported import check_supported
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match="train.device is cuda but torch .* sees no CUDA device; set "
+                                          "train.device=auto"):
+        check_supported(load_config(None, ["train.device=cuda"]))
+    check_supported(load_config(None, ["train.device=auto"]))
+    assert str(resolve_device("auto", 3)) == "cpu"  # auto falls back to the CPU whatever the local rank
