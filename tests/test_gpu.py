@@ -100,7 +100,7 @@ def _transfer_worker(rank: int, port: int, out: str) -> None:
     moved = run_transfers([Transfer(layer=1, src=WorkerRef(0, 0), dst=WorkerRef(1, 0))], Plan, WorkerRef(rank, 0),
                           layers, stepped=True, timeout=datetime.timedelta(seconds=60))
     assert moved > 0
-    torch.save({k: v.cpu() for k, v in zip(range(10**6), layers[1].state_tensors())}, f"{out}/{rank}.pt")
+    torch.save({k: v.cpu() for k, v in enumerate(layers[1].state_tensors())}, f"{out}/{rank}.pt")
     torch.distributed.destroy_process_group()
 
 

@@ -27,6 +27,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from oobleck_elastic.errors import ConfigError
+
 __all__ = ["resolve_device", "backend_for", "prepare_backend", "abort_groups"]
 
 logger = logging.getLogger(__name__)
@@ -36,15 +38,15 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     """train.device -> this worker's device: cuda:LOCAL_RANK for cuda (and for auto when CUDA
     is available), else the CPU."""
     if setting not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"train.device must be auto, cpu or cuda, got {setting!r}")
+        raise ConfigError(f"train.device must be auto, cpu or cuda, got {setting!r}")
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("train.device is cuda but torch sees no CUDA device "
+        raise ConfigError("train.device is cuda but torch sees no CUDA device "
                            f"(torch {torch.__version__}); use train.device=auto or cpu")
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise RuntimeError(f"worker with LOCAL_RANK {local_rank} needs cuda:{local_rank} but this machine has "
+        raise ConfigError(f"worker with LOCAL_RANK {local_rank} needs cuda:{local_rank} but this machine has "
                            f"{count} GPU(s); start at most {count} workers per node (--nproc-per-node)")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
