@@ -33,3 +33,12 @@ def small_cluster(workers_per_node: int = 1, memory: int = 10**9, **kw) -> Clust
 @pytest.fixture
 def rng() -> random.Random:
     return random.Random(1234)
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """The CPU tiers run on the CPU even on a machine with GPUs: train.device defaults to auto
+    (CUDA when available), so every test not marked `gpu` hides the GPUs from the processes
+    it starts (they inherit the environment). Tests marked `gpu` see them."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

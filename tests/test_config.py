@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ def test_defaults_and_file_and_overrides(tmp_path):
                            "fault_tolerance: 2\nplanner:\n  memory_per_worker: 2GiB\n")
     cfg = load_config(path, ["train.steps=7", "train.dtype=float64", "train.optimizer.lr=0.05"])
     assert cfg.train.global_batch_size == 64 and cfg.train.steps == 7
-    assert cfg.train.dtype == "float64"
+    assert cfg.train.precision == "fp64" and cfg.train.dtype is None  # the former name, resolved
     assert cfg.train.optimizer.name == "SGD"
     assert dict(cfg.train.optimizer.kwargs) == {"lr": 0.05, "momentum": 0.9}
     assert cfg.fault_tolerance == 2
@@ -41,7 +42,15 @@ def test_defaults_and_file_and_overrides(tmp_path):
     (["train.steps=0"], "train.steps must be >= 1, got 0"),
     (["train.microbatch_size=-1"], "train.microbatch_size must be >= 1, got -1"),
     (["train.global_batch_size=30"], "must be a multiple of train.microbatch_size (4); nearest valid: 28 or 32"),
-    (["train.dtype=float16"], "train.dtype must be one of 'float32', 'bfloat16', 'float64', got 'float16'"),
+    (["train.dtype=float16"], "train.dtype must be one of 'float32', 'bfloat16', 'float64', got 'float16'; "
+                              "train.dtype is the former name of train.precision: prefer train.precision "
+                              "(fp32, bf16-mixed, bf16, fp64)"),
+    (["train.precision=fp16"], "train.precision must be one of 'fp32', 'bf16-mixed', 'bf16', 'fp64' or null, "
+                               "got 'fp16'"),
+    (["train.precision=bf16-mixed", "train.dtype=float32"],
+     "train.dtype (float32) is the former name of train.precision and means precision fp32, but "
+     "train.precision is bf16-mixed; set only train.precision"),
+    (["train.device=tpu"], "train.device must be one of 'auto', 'cpu', 'cuda', got 'tpu'"),
     (["train.optimizer.lr=-1"], "train.optimizer.lr must be a positive number, got -1"),
     (["fault_tolerance=-1"], "fault_tolerance must be >= 0, got -1"),
     (["planner.memory_per_worker=12XB"], "planner.memory_per_worker must be a byte count"),
@@ -117,3 +126,31 @@ def test_entry_point_prints_message_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "error: train.global_batch_size (30) must be a multiple" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("overrides, precision, param, compute", [
+    ([], "fp32", "float32", "float32"),
+    (["train.precision=bf16-mixed"], "bf16-mixed", "float32", "bfloat16"),
+    (["train.precision=bf16"], "bf16", "bfloat16", "bfloat16"),
+    (["train.dtype=bfloat16"], "bf16", "bfloat16", "bfloat16"),  # the former name: pure bf16, as before
+    (["train.dtype=float32", "train.precision=fp32"], "fp32", "float32", "float32"),  # both, agreeing
+    (["train.precision=fp64"], "fp64", "float64", "float64"),
+])
+def test_precision_and_its_former_name(overrides, precision, param, compute):
+    train = load_config(None, overrides).train
+    assert (train.precision, train.param_dtype, train.compute_dtype) == (precision, param, compute)
+    assert train.mixed == (precision == "bf16-mixed") and train.dtype is None
+    assert dataclasses.replace(train, steps=3).precision == precision  # a loaded config replaces cleanly
+    assert train.device == "auto"
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_worker_starts(monkeypatch):
+    from oobleck_elastic.runtime.devices import resolve_device
+    from oobleck_elastic.runtime.supported import check_supported
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match="train.device is cuda but torch .* sees no CUDA device; set "
+                                          "train.device=auto"):
+        check_supported(load_config(None, ["train.device=cuda"]))
+    check_supported(load_config(None, ["train.device=auto"]))
+    assert str(resolve_device("auto", 3)) == "cpu"  # auto falls back to the CPU whatever the local rank

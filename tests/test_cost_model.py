@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oobleck_elastic.planning import Cluster, iteration_ms, plan_template, simulate_1f1b, synthetic_gpt
+from oobleck_elastic.planning.cost import interleaved_iteration_ms, ring_factor
 from oobleck_elastic.planning.simulate import one_f_one_b_order
 
 
@@ -67,3 +68,24 @@ def test_planned_splits_are_close_to_simulation():
                     assert t.iteration_ms <= sim * (1 + 1e-12)
                     worst = max(worst, (sim - t.iteration_ms) / sim)
     assert worst < 0.10, worst
+
+
+def test_gradient_allreduce_is_a_ring_over_the_pipelines():
+    cluster = Cluster(workers_per_node=1, memory_per_worker=1, inter_node_bandwidth=10.0)  # 10 GB/s
+    assert cluster.allreduce_ms(10**9, 1) == 0.0  # one pipeline: nothing to sum
+    assert cluster.allreduce_ms(10**9, 2) == pytest.approx(100.0)  # 2 (p-1)/p = 1: 1 GB at 10 GB/s
+    assert cluster.allreduce_ms(10**9, 4) == pytest.approx(150.0)  # 2 * 3/4
+    assert [ring_factor(p) for p in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
+
+
+def test_each_stage_finishes_with_its_allreduce_and_optimizer_step():
+    # Two equal stages, M = 4, no transfers: stage 0 ends its backwards at 2 + 4 * 3 (its first
+    # backward waits 3 - 1 for stage 1's), stage 1 at 3 + 4 * 3; then each sums and steps.
+    stage, forward = [3.0, 3.0], [1.0, 1.0]
+    assert iteration_ms(stage, forward, [0.0], 4) == 15.0
+    assert iteration_ms(stage, forward, [0.0], 4, [2.0, 10.0]) == 25.0  # 15 + 10
+    assert iteration_ms(stage, forward, [0.0], 4, [10.0, 2.0]) == 24.0  # 14 + 10
+    assert iteration_ms(stage, forward, [0.0], 4, [0.0, 0.0]) == iteration_ms(stage, forward, [0.0], 4)
+    # interleaved: a worker's tail is the sum over its stages; the slowest worker's counts
+    assert interleaved_iteration_ms([1.0] * 4, [0.0] * 4, 2, 4, [1.0, 2.0, 3.0, 0.5]) == \
+        interleaved_iteration_ms([1.0] * 4, [0.0] * 4, 2, 4) + 4.0

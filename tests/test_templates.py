@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -24,7 +25,7 @@ from oobleck_elastic.planning import (
 )
 
 
-def brute_force(profile, cluster, nodes, microbatches, wide=False):
+def brute_force(profile, cluster, nodes, microbatches, wide=False, pipelines=1):
     """min over every split (and width) of the cost model, or None if nothing fits memory."""
     g = cluster.workers_per_node
     widths = [w for w in range(1, g + 1) if g % w == 0] if wide else [1]
@@ -32,7 +33,8 @@ def brute_force(profile, cluster, nodes, microbatches, wide=False):
     for width in widths:
         stages = nodes * g // width
         for cuts in itertools.combinations(range(1, profile.num_layers), stages - 1):
-            t = template_from_bounds(profile, cluster, nodes, (0, *cuts, profile.num_layers), microbatches)
+            t = template_from_bounds(profile, cluster, nodes, (0, *cuts, profile.num_layers), microbatches,
+                                     pipelines=pipelines)
             if any(s.memory_bytes > cluster.memory_per_worker for s in t.stages):
                 continue
             if best is None or t.iteration_ms < best:
@@ -62,6 +64,29 @@ def test_template_matches_brute_force(seed, layers, g, nodes, extra, tight, fast
     assert got.iteration_ms == pytest.approx(expected, rel=1e-9)
     assert all(s.memory_bytes <= cluster.memory_per_worker for s in got.stages)
     assert got.bounds()[0] == 0 and got.bounds()[-1] == layers
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10**6), layers=st.integers(2, 8), nodes=st.integers(1, 3),
+       pipelines=st.integers(1, 4), slow_links=st.booleans())
+def test_template_with_gradient_sync_and_optimizer_matches_brute_force(seed, layers, nodes, pipelines, slow_links):
+    """Each stage's all-reduce across the pipelines and its optimizer step (Note: [cost model])
+    keep the split search exact."""
+    rng = random.Random(seed)
+    base = random_profile(rng, layers)
+    profile = dataclasses.replace(base, layers=tuple(
+        dataclasses.replace(x, optimizer_ms=rng.uniform(0, 4)) for x in base.layers))
+    if nodes > layers:
+        return
+    cluster = small_cluster(1, 10**12, inter_node_bandwidth=0.01 if slow_links else 12.5)
+    m = nodes + rng.randint(0, 6)
+    expected = brute_force(profile, cluster, nodes, m, pipelines=pipelines)
+    got = plan_template(profile, cluster, nodes, m, pipelines=pipelines)
+    assert got.pipelines == pipelines
+    assert got.iteration_ms == pytest.approx(expected, rel=1e-9)
+    assert got.iteration_ms_at(m) == got.iteration_ms  # timed at its own pipeline count
+    for s in got.stages:  # no stage ends before its own microbatches, all-reduce and optimizer step
+        assert got.iteration_ms >= m * s.compute_ms + s.tail_ms(pipelines) - 1e-9
 
 
 @settings(max_examples=40, deadline=None)

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     profile, cached = load_or_profile(
         spec, directory=cfg.planner.profile_dir, microbatch_size=cfg.train.microbatch_size,
-        dtype=cfg.train.dtype, seed=cfg.train.seed, iterations=cfg.planner.profile_iterations,
+        precision=cfg.train.precision, seed=cfg.train.seed, iterations=cfg.planner.profile_iterations,
         optimizer=cfg.train.optimizer)
     how = "cached profile" if cached else f"profiled in {time.perf_counter() - start:.1f} s"
     print(f"GPT example: {profile.num_layers} layers, {how} ({profile.device}, {profile.dtype}, "
@@ -80,7 +80,7 @@ def profile_path_of(cfg, spec) -> str:
     from oobleck_elastic.runtime.profiler import profile_path
 
     return profile_path(cfg.planner.profile_dir, spec, microbatch_size=cfg.train.microbatch_size,
-                        dtype=cfg.train.dtype, optimizer=cfg.train.optimizer)
+                        precision=cfg.train.precision, optimizer=cfg.train.optimizer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
     python -m oobleck_elastic.launch --oobleck-local-nodes 4 --nproc-per-node 1 \\
         examples/gpt/train.py --config examples/gpt/config.yaml
-    python examples/gpt/train.py --set train.dtype=float64   # alone: the single-process reference
+    python examples/gpt/train.py --set train.precision=fp64    # alone: the single-process reference
 """
 
 from __future__ import annotations

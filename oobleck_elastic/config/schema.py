@@ -27,9 +27,23 @@ __all__ = [
     "EvalConfig",
     "JobConfig",
     "parse_bytes",
+    "PRECISIONS",
 ]
 
 Dtype = Literal["float32", "bfloat16", "float64"]
+Precision = Literal["fp32", "bf16-mixed", "bf16", "fp64"]
+Device = Literal["auto", "cpu", "cuda"]
+
+PRECISIONS: dict[str, tuple[str, str]] = {
+    "fp32": ("float32", "float32"),
+    "bf16-mixed": ("float32", "bfloat16"),
+    "bf16": ("bfloat16", "bfloat16"),
+    "fp64": ("float64", "float64"),
+}
+"""train.precision -> (dtype of the master parameters, gradients and optimizer state; dtype of
+forward and backward compute and of the activations between stages)."""
+
+_DTYPE_ALIAS = {"float32": "fp32", "bfloat16": "bf16", "float64": "fp64"}
 ScheduleName = Literal["1F1B", "GPipe", "Interleaved1F1B"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -112,8 +126,17 @@ class TrainConfig:
     """Optimizer steps to run."""
     seed: int = 0
     """Seeds layer initialisation (layer i from (seed, i)) and the data permutation."""
-    dtype: Dtype = "float32"
-    """Parameter and activation dtype."""
+    precision: Precision | None = None
+    """fp32 (default), fp64, bf16 (everything in bfloat16: parameters, gradients, optimizer
+    state), or bf16-mixed: forward and backward in bfloat16 on a bfloat16 copy of each layer,
+    while the master parameters, the gradients summed across pipelines and the optimizer
+    state stay float32 (what checkpoints and layer transfers carry)."""
+    dtype: str | None = None
+    """Former name of `precision`, still accepted: float32 = fp32, bfloat16 = bf16 (pure),
+    float64 = fp64. Read `precision` (or `param_dtype`) instead; this is None once loaded."""
+    device: Device = "auto"
+    """auto: cuda:LOCAL_RANK when CUDA is available, else cpu; cpu; or cuda (an error when
+    CUDA is not available)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """torch.optim optimizer: `name` plus its keyword arguments."""
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
@@ -130,6 +153,19 @@ class TrainConfig:
     '*wte*') that get weight_decay 0; every other parameter gets the optimizer's."""
 
     def __post_init__(self) -> None:
+        if self.dtype is not None:  # the alias: resolved once, so the loaded config has one spelling
+            _check(self.dtype in _DTYPE_ALIAS,
+                   f"train.dtype must be one of {', '.join(map(repr, _DTYPE_ALIAS))}, got {self.dtype!r}; "
+                   "train.dtype is the former name of train.precision: prefer train.precision "
+                   f"({', '.join(PRECISIONS)})")
+            alias = _DTYPE_ALIAS[self.dtype]
+            _check(self.precision in (None, alias),
+                   f"train.dtype ({self.dtype}) is the former name of train.precision and means "
+                   f"precision {alias}, but train.precision is {self.precision}; set only train.precision")
+            object.__setattr__(self, "precision", alias)
+            object.__setattr__(self, "dtype", None)
+        if self.precision is None:
+            object.__setattr__(self, "precision", "fp32")
         for name in ("global_batch_size", "microbatch_size", "steps"):
             value = getattr(self, name)
             _check(value >= 1, f"train.{name} must be >= 1, got {value}")
@@ -154,6 +190,21 @@ class TrainConfig:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.microbatch_size
+
+    @property
+    def param_dtype(self) -> str:
+        """dtype name of the master parameters, gradients and optimizer state."""
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def compute_dtype(self) -> str:
+        """dtype name of forward/backward compute and of the activations between stages."""
+        return PRECISIONS[self.precision][1]
+
+    @property
+    def mixed(self) -> bool:
+        """Whether compute runs on a lower-precision copy of the master parameters."""
+        return self.param_dtype != self.compute_dtype
 
     @property
     def stages_per_worker(self) -> int:

@@ -15,6 +15,7 @@ from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
 from oobleck_elastic.runtime.checkpoint import plain
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
+from oobleck_elastic.runtime.devices import resolve_device
 from oobleck_elastic.runtime.profiler import load_or_profile
 
 __all__ = ["WorkerIdentity", "job_description", "measure", "plan_run", "templates"]
@@ -41,7 +42,7 @@ def _flatten(prefix: str, value: object) -> dict[str, object]:
 
 def job_description(cfg: JobConfig, model: ModelSpec) -> dict[str, object]:
     """What every node of the run must agree on (flat dotted keys, JSON values)."""
-    fingerprint = model_fingerprint(model, DTYPES[cfg.train.dtype])
+    fingerprint = model_fingerprint(model, DTYPES[cfg.train.param_dtype])
     flat: dict[str, object] = {"model.fingerprint": f"{model.name}:{fingerprint}",
                                "fault_tolerance": cfg.fault_tolerance}
     for name in ("train", "data", "planner", "checkpoint", "eval"):
@@ -54,8 +55,9 @@ def job_description(cfg: JobConfig, model: ModelSpec) -> dict[str, object]:
 def measure(model: ModelSpec, cfg: JobConfig) -> ModelProfile:
     """The model's profile: the cached one if its key matches, else measured (and cached)."""
     profile, _ = load_or_profile(model, directory=cfg.planner.profile_dir, microbatch_size=cfg.train.microbatch_size,
-                                 dtype=cfg.train.dtype, seed=cfg.train.seed,
-                                 iterations=cfg.planner.profile_iterations, optimizer=cfg.train.optimizer)
+                                 precision=cfg.train.precision, seed=cfg.train.seed,
+                                 iterations=cfg.planner.profile_iterations, optimizer=cfg.train.optimizer,
+                                 device=resolve_device(cfg.train.device))
     return profile
 
 

@@ -135,12 +135,20 @@ def node_command(args: argparse.Namespace, cfg: JobConfig | None, endpoint: str,
             *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
 
 
+def _gpu_count() -> int:
+    import torch  # the launcher's parent (torch.distributed.run) has it loaded already
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class LocalNodes:
     """The node processes of a local job, by start order k (node k's log is node<k>.log): the
     launcher's loop watches them, and a chaos schedule (launcher/chaos.py) signals them."""
 
-    def __init__(self, command: list[str], log_dir: str, verbose: bool, protocol: Protocol) -> None:
+    def __init__(self, command: list[str], log_dir: str, verbose: bool, protocol: Protocol,
+                 workers_per_node: int = 1) -> None:
         self.command, self.log_dir, self.verbose, self.protocol = command, log_dir, verbose, protocol
+        self.workers_per_node = workers_per_node
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.procs: list[subprocess.Popen] = []
         self.logs: list = []
@@ -150,9 +158,20 @@ class LocalNodes:
         k = len(self.procs)
         log = None if self.verbose else open(os.path.join(self.log_dir, f"node{k}.log"), "w")  # noqa: SIM115
         self.logs.append(log)
-        self.procs.append(subprocess.Popen(self.command, env=self.env, stdout=log,
+        self.procs.append(subprocess.Popen(self.command, env=self._node_env(k), stdout=log,
                                            stderr=subprocess.STDOUT if log else None, start_new_session=True))
         return k
+
+    def _node_env(self, k: int) -> dict[str, str]:
+        """Node k's environment. On a machine with GPUs (and no CUDA_VISIBLE_DEVICES of the
+        user's), node k sees its own GPUs, as a real machine's workers would: every local node's
+        worker w has LOCAL_RANK w, and two ranks of one NCCL communicator must not share a GPU
+        (runtime.devices). Nodes beyond the machine's GPUs wrap around onto used ones."""
+        count = _gpu_count()
+        if count == 0 or "CUDA_VISIBLE_DEVICES" in self.env:
+            return self.env
+        mine = [(k * self.workers_per_node + w) % count for w in range(self.workers_per_node)]
+        return {**self.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, mine))}
 
     def running(self) -> list[int]:
         return [k for k, p in enumerate(self.procs) if p.poll() is None]
@@ -188,7 +207,8 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
     store, endpoint = _local_store(args, run_id)
     protocol = Protocol(store)
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
-    local = LocalNodes(node_command(args, cfg, endpoint, run_id), args.oobleck_log_dir, bool(args.verbose), protocol)
+    local = LocalNodes(node_command(args, cfg, endpoint, run_id), args.oobleck_log_dir, bool(args.verbose), protocol,
+                       workers_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1)
     procs, logs, start_node = local.procs, local.logs, local.start
 
     pending_adds = sorted(args.oobleck_add_node_at_step)

@@ -25,6 +25,20 @@ Note: [cost model]
     depends on one stage's layers, its position and the stages above it, which is what makes
     the template search exact (templates.py).
 
+    After its last backward, stage k sums its gradients with the same layers' replicas in the
+    other P - 1 pipelines and steps its optimizer: tail_k = ring(P) * g_k + o_k, where g_k is
+    its gradient bytes over the inter-node bandwidth, ring(P) = 2(P - 1)/P (a ring all-reduce sends and receives that share of
+    the bytes) and o_k the profiled optimizer step of its layers. Stage 0 finishes its
+    backward last, but a later stage with more parameters can finish its tail later, so
+
+        T(M) = max_k [ A_k + M * w_k + bubble_k + tail_k ]
+
+    (the runtime starts every all-reduce only after its own schedule ends; the optimizer
+    steps after the step's statistics are summed world-wide, so o_k could wait for a slower
+    stage's all-reduce: a small error the model accepts to keep one term per stage). tail_k
+    depends on stage k's layers and P only, so the template search stays exact; templates
+    are planned for P = f + 1 pipelines and an instantiation is timed with its real P.
+
     Memory of a worker on stage k: (parameters + gradients + optimizer state of its layers +
     (S - k) microbatches of saved activations) / width, because 1F1B keeps up to S - k
     microbatches in flight on stage k (torch's Schedule1F1B warms up with S - k forwards).
@@ -35,7 +49,7 @@ Note: [interleaved cost model]
     bubble shrinks to about (P - 1) stage times instead of (P - 1) worker times (Narayanan et
     al., 2021):
 
-        T(M) = M * max_p W_p + (P - 1) * max_k (w_k + 2 c_k)
+        T(M) = M * max_p W_p + (P - 1) * max_k (w_k + 2 c_k) + max_p sum_{k on p} tail_k
 
     This is an estimate, not the lower bound of the 1F1B model: the planner splits the layers
     into v*P stages with the 1F1B search (which balances stage times, and so worker times), then
@@ -56,7 +70,7 @@ import numpy as np
 from oobleck_elastic.planning.profile import ModelProfile
 
 __all__ = ["Cluster", "CostTables", "interleaved_in_flight", "interleaved_iteration_ms", "iteration_ms",
-           "stage_leads", "stage_times"]
+           "ring_factor", "stage_leads", "stage_tails", "stage_times"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +95,17 @@ class Cluster:
         bandwidth = self.inter_node_bandwidth if cross_node else self.intra_node_bandwidth
         return self.link_latency_us / 1e3 + nbytes / (bandwidth * 1e9) * 1e3
 
+    def allreduce_ms(self, nbytes: float, participants: int) -> float:
+        """A ring all-reduce of `nbytes` over `participants` ranks on different nodes: each
+        sends and receives 2(p - 1)/p of the bytes over the inter-node bandwidth (latency
+        left out: one message per layer group, small beside the bytes)."""
+        return ring_factor(participants) * nbytes / (self.inter_node_bandwidth * 1e9) * 1e3
+
+
+def ring_factor(participants: int) -> float:
+    """2(p - 1)/p: the share of its bytes each rank sends (and receives) in a ring all-reduce."""
+    return 2 * (participants - 1) / participants if participants > 1 else 0.0
+
 
 def stage_leads(stage_ms: Sequence[float], forward_ms: Sequence[float],
                 send_ms: Sequence[float]) -> list[float]:
@@ -96,19 +121,23 @@ def stage_leads(stage_ms: Sequence[float], forward_ms: Sequence[float],
 
 
 def iteration_ms(stage_ms: Sequence[float], forward_ms: Sequence[float], send_ms: Sequence[float],
-                 microbatches: int) -> float:
-    """T(M) of the cost model (see Note: [cost model])."""
+                 microbatches: int, tail_ms: Sequence[float] | None = None) -> float:
+    """T(M) of the cost model (see Note: [cost model]); tail_ms: each stage's gradient
+    all-reduce and optimizer step (none when omitted)."""
     leads = stage_leads(stage_ms, forward_ms, send_ms)
-    return max(lead + microbatches * w for lead, w in zip(leads, stage_ms))
+    tails = tail_ms if tail_ms is not None else [0.0] * len(stage_ms)
+    return max(lead + microbatches * w + t for lead, w, t in zip(leads, stage_ms, tails))
 
 
 def interleaved_iteration_ms(stage_ms: Sequence[float], send_ms: Sequence[float], positions: int,
-                             microbatches: int) -> float:
+                             microbatches: int, tail_ms: Sequence[float] | None = None) -> float:
     """T(M) of `positions` workers running stage k on worker k mod positions (see Note:
-    [interleaved cost model]); send_ms has one entry per stage, 0 for the last."""
+    [interleaved cost model]); send_ms has one entry per stage, 0 for the last; tail_ms: each
+    stage's all-reduce and optimizer step (summed per worker; none when omitted)."""
     per_worker = [sum(stage_ms[p::positions]) for p in range(positions)]
     fill = max(w + 2 * c for w, c in zip(stage_ms, send_ms))
-    return microbatches * max(per_worker) + (positions - 1) * fill
+    tail = max(sum(tail_ms[p::positions]) for p in range(positions)) if tail_ms is not None else 0.0
+    return microbatches * max(per_worker) + (positions - 1) * fill + tail
 
 
 def interleaved_in_flight(position: int, positions: int, virtual_stages: int) -> int:
@@ -128,6 +157,19 @@ def stage_times(profile: ModelProfile, cluster: Cluster, bounds: Sequence[int],
                                  nodes_of_stages[k] != nodes_of_stages[k + 1])
              for k in range(len(compute) - 1)]
     return compute, forward, sends
+
+
+def stage_tails(profile: ModelProfile, cluster: Cluster, bounds: Sequence[int],
+                width: int = 1) -> tuple[list[float], list[float]]:
+    """(gradient bytes / inter-node bandwidth in ms, optimizer ms) of stages [bounds[k],
+    bounds[k+1]): tail_k at P pipelines is ring_factor(P) * the first + the second (Note:
+    [cost model])."""
+    layers = profile.layers
+    ranges = list(itertools.pairwise(bounds))
+    sync = [sum(layers[i].grad_bytes for i in range(a, b)) / width / (cluster.inter_node_bandwidth * 1e9) * 1e3
+            for a, b in ranges]
+    optimizer = [sum(layers[i].optimizer_ms for i in range(a, b)) / width for a, b in ranges]
+    return sync, optimizer
 
 
 class CostTables:
@@ -150,6 +192,17 @@ class CostTables:
         self.send_ms = {cross: np.array([np.inf] + [cluster.transfer_ms(b, cross) for b in out[1:]])
                         for cross in (False, True)}
         self.upper = np.triu(np.ones_like(self.compute, dtype=bool), k=1)
+        grads = np.concatenate([[0.0], np.cumsum([float(x.grad_bytes) for x in layers])])
+        opt = np.concatenate([[0.0], np.cumsum([x.optimizer_ms for x in layers])])
+        self.grad_bytes = grads[None, :] - grads[:, None]
+        self.optimizer_ms = opt[None, :] - opt[:, None]
+        self._cluster = cluster
+
+    def tail(self, pipelines: int, width: int) -> np.ndarray:
+        """tail(l, e): all-reduce over `pipelines` and optimizer step of a stage holding layers
+        [l, e) across `width` workers (Note: [cost model])."""
+        sync = self.grad_bytes / width / (self._cluster.inter_node_bandwidth * 1e9) * 1e3
+        return ring_factor(pipelines) * sync + self.optimizer_ms / width
 
     def memory(self, l: int, e: int, in_flight: int, width: int) -> float:
         return (self.static[l, e] + in_flight * self.activation[l, e]) / width

@@ -13,6 +13,11 @@ cap_n(T*) = max{m : T_n(m) <= T*} microbatches, so "can the live nodes hold B/b 
 unbounded knapsack over node counts (all nodes used, at least f+1 pipelines) maximising the
 capacity. Feasibility is monotone in T*, and the optimal T* is one of the values T_n(m), so a
 binary search over those values finds the exact optimum of the cost model.
+
+The gradient all-reduce in T depends on how many pipelines there are (cost.py, Note: [cost
+model]); the search and the batch split time every template at the pipeline count it was
+planned for (f + 1), which keeps the knapsack one search, and the chosen instantiation's
+`iteration_ms` is then timed with its real pipeline count (the planner's estimate of the step).
 """
 
 from __future__ import annotations
@@ -218,7 +223,8 @@ def build_instantiation(templates: Sequence[PipelineTemplate], nodes: Sequence[S
     """An Instantiation of these templates on these node lists, with the balanced batch split."""
     counts = split_batch(templates, global_batch, microbatch_size)
     pipelines = tuple(
-        PipelinePlan(template=t.nodes, nodes=tuple(n), microbatches=m, iteration_ms=t.iteration_ms_at(m))
+        PipelinePlan(template=t.nodes, nodes=tuple(n), microbatches=m,
+                     iteration_ms=t.iteration_ms_at(m, len(templates)))
         for t, n, m in zip(templates, nodes, counts, strict=True))
     return Instantiation(pipelines=pipelines, global_batch_size=global_batch,
                          microbatch_size=microbatch_size,

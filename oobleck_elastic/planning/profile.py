@@ -3,13 +3,15 @@
 A profile is measured once per (model signature, microbatch size, dtype, device, torch
 version) by `oobleck_elastic.runtime.profiler` and cached as a JSON *profile file*:
 
-    {"format": 1, "signature": "...", "microbatch_size": 4, "dtype": "float32",
+    {"format": 2, "signature": "...", "microbatch_size": 4, "dtype": "float32",
      "device": "cpu", "torch_version": "2.13.0+cpu", "device_memory_bytes": 25000000000,
      "layers": [{"name": "embed", "forward_ms": 0.8, "backward_ms": 1.7,
                  "param_bytes": ..., "grad_bytes": ..., "optimizer_bytes": ...,
-                 "activation_bytes": ..., "output_bytes": ...}, ...]}
+                 "activation_bytes": ..., "output_bytes": ..., "optimizer_ms": 0.3,
+                 "compute_copy_bytes": 0}, ...]}
 
-Times are milliseconds per microbatch; bytes are per worker holding the layer. activation_bytes
+`dtype` is the dtype of a single-dtype precision (float32, bfloat16, float64) or "bf16-mixed".
+Times are milliseconds per microbatch (optimizer_ms: per step); bytes are per worker holding the layer. activation_bytes
 is what the layer keeps alive for its backward per microbatch; output_bytes is the tensor it
 hands to the next layer (what crosses a stage boundary). `synthetic_gpt` builds a
 transformer-shaped profile without torch, for dry runs and planner benchmarks.
@@ -26,7 +28,8 @@ from oobleck_elastic.planning.values import from_jsonable, to_jsonable
 
 __all__ = ["LayerProfile", "ModelProfile", "synthetic_gpt", "PROFILE_FORMAT"]
 
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2
+"""2: layers carry optimizer_ms and compute_copy_bytes (format-1 caches are profiled again)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +44,12 @@ class LayerProfile:
     optimizer_bytes: int
     activation_bytes: int
     output_bytes: int
+    optimizer_ms: float = 0.0
+    """The optimizer's step on this layer, once per iteration (not per microbatch); under
+    bf16-mixed with the refresh of the layer's bf16 copy."""
+    compute_copy_bytes: int = 0
+    """The low-precision copy of the parameters the stage computes with (bf16-mixed), held
+    beside the master parameters; 0 when the stage computes on the master itself."""
 
     @property
     def compute_ms(self) -> float:
@@ -48,8 +57,9 @@ class LayerProfile:
 
     @property
     def static_bytes(self) -> int:
-        """Memory held whatever the number of microbatches in flight."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        """Memory held whatever the number of microbatches in flight (both copies of the
+        parameters under bf16-mixed)."""
+        return self.param_bytes + self.compute_copy_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def state_bytes(self) -> int:

@@ -35,7 +35,9 @@ from oobleck_elastic.planning.cost import (
     interleaved_in_flight,
     interleaved_iteration_ms,
     iteration_ms,
+    ring_factor,
     stage_leads,
+    stage_tails,
     stage_times,
 )
 from oobleck_elastic.planning.profile import ModelProfile
@@ -60,6 +62,15 @@ class StagePlan:
     memory_bytes: int
     """Per worker, with the schedule's in-flight activations (interleaved: the whole worker's,
     all of its stages)."""
+    grad_sync_ms: float = 0.0
+    """The stage's gradient bytes over the inter-node bandwidth: its all-reduce across P
+    pipelines costs ring_factor(P) times this (cost.py, Note: [cost model])."""
+    optimizer_ms: float = 0.0
+    """The optimizer step of the stage's layers, once per iteration."""
+
+    def tail_ms(self, pipelines: int) -> float:
+        """Gradient all-reduce across `pipelines` pipelines plus the optimizer step."""
+        return ring_factor(pipelines) * self.grad_sync_ms + self.optimizer_ms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +87,9 @@ class PipelineTemplate:
     virtual_stages: int = 1
     """Stages per worker position: 1, or v for ScheduleInterleaved1F1B (stage k on position
     k mod positions)."""
+    pipelines: int = 1
+    """The pipeline count (f + 1) the split and iteration_ms assume for the gradient
+    all-reduce; an instantiation times it with its own count."""
 
     @property
     def num_stages(self) -> int:
@@ -102,26 +116,34 @@ class PipelineTemplate:
             return False
         return self.virtual_stages == 1 or microbatches % max(1, microbatches // self.positions) == 0
 
-    def iteration_ms_at(self, microbatches: int) -> float:
+    def tails(self, pipelines: int | None = None) -> list[float]:
+        """Each stage's all-reduce (across `pipelines`, default self.pipelines) and optimizer step."""
+        p = self.pipelines if pipelines is None else pipelines
+        return [s.tail_ms(p) for s in self.stages]
+
+    def iteration_ms_at(self, microbatches: int, pipelines: int | None = None) -> float:
+        """T(microbatches) with `pipelines` pipelines summing gradients (default self.pipelines)."""
         compute = [s.compute_ms for s in self.stages]
         if self.virtual_stages > 1:
             return interleaved_iteration_ms(compute, [s.send_ms for s in self.stages], self.positions,
-                                            microbatches)
+                                            microbatches, self.tails(pipelines))
         return iteration_ms(compute, [s.forward_ms for s in self.stages],
-                            [s.send_ms for s in self.stages[:-1]], microbatches)
+                            [s.send_ms for s in self.stages[:-1]], microbatches, self.tails(pipelines))
 
-    def times(self, total: int) -> np.ndarray:
+    def times(self, total: int, pipelines: int | None = None) -> np.ndarray:
         """T(m) for m = min_microbatches .. total, vectorised (inf where the schedule cannot
-        run m)."""
+        run m); `pipelines` as in iteration_ms_at."""
         m = np.arange(self.min_microbatches, total + 1, dtype=float)
         compute = np.array([s.compute_ms for s in self.stages])
+        tails = np.array(self.tails(pipelines))
         if self.virtual_stages > 1:
             per_worker = max(compute[p::self.positions].sum() for p in range(self.positions))
             fill = max(s.compute_ms + 2 * s.send_ms for s in self.stages)
-            t = m * per_worker + (self.positions - 1) * fill
+            tail = max(tails[p::self.positions].sum() for p in range(self.positions))
+            t = m * per_worker + (self.positions - 1) * fill + tail
         else:
             leads = np.array(stage_leads(list(compute), [s.forward_ms for s in self.stages],
-                                         [s.send_ms for s in self.stages[:-1]]))
+                                         [s.send_ms for s in self.stages[:-1]])) + tails
             t = (leads[:, None] + m[None, :] * compute[:, None]).max(axis=0) if m.size else m
         if self.virtual_stages == 1:
             return t
@@ -163,9 +185,11 @@ def nominal_microbatches(total_microbatches: int, nodes: int, max_nodes: int) ->
 
 
 def template_from_bounds(profile: ModelProfile, cluster: Cluster, nodes: int,
-                         bounds: Sequence[int], microbatches: int, virtual_stages: int = 1) -> PipelineTemplate:
+                         bounds: Sequence[int], microbatches: int, virtual_stages: int = 1,
+                         pipelines: int = 1) -> PipelineTemplate:
     """The template for a given split (bounds[0] = 0 < ... < bounds[-1] = L) on `nodes` nodes;
-    with virtual_stages = v, stage k runs on position k mod (stages / v)."""
+    with virtual_stages = v, stage k runs on position k mod (stages / v); timed for
+    `pipelines` pipelines summing gradients."""
     num_stages = len(bounds) - 1
     g = cluster.workers_per_node
     positions = num_stages // virtual_stages
@@ -176,6 +200,7 @@ def template_from_bounds(profile: ModelProfile, cluster: Cluster, nodes: int,
     position = [k % positions for k in range(num_stages)]
     placement = [(p * width) // g for p in position]
     compute, forward, sends = stage_times(profile, cluster, bounds, placement, width)
+    syncs, optimizer = stage_tails(profile, cluster, bounds, width)
     tables = CostTables(profile, cluster)
     if virtual_stages == 1:
         memory = [tables.memory(bounds[k], bounds[k + 1], num_stages - k, width) for k in range(num_stages)]
@@ -192,15 +217,16 @@ def template_from_bounds(profile: ModelProfile, cluster: Cluster, nodes: int,
         StagePlan(layers=(bounds[k], bounds[k + 1]), node=placement[k],
                   workers=tuple(range((position[k] * width) % g, (position[k] * width) % g + width)),
                   compute_ms=compute[k], forward_ms=forward[k],
-                  send_ms=sends[k] if k < num_stages - 1 else 0.0, memory_bytes=int(memory[k]))
+                  send_ms=sends[k] if k < num_stages - 1 else 0.0, memory_bytes=int(memory[k]),
+                  grad_sync_ms=syncs[k], optimizer_ms=optimizer[k])
         for k in range(num_stages))
     template = PipelineTemplate(nodes=nodes, workers_per_node=g, stages=stages, microbatches=microbatches,
-                                iteration_ms=0.0, virtual_stages=virtual_stages)
+                                iteration_ms=0.0, virtual_stages=virtual_stages, pipelines=pipelines)
     return replace(template, iteration_ms=template.iteration_ms_at(microbatches))
 
 
 def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int,
-                    microbatches: int, virtual_stages: int = 1) -> list[int] | None:
+                    microbatches: int, virtual_stages: int = 1, pipelines: int = 1) -> list[int] | None:
     """The exact optimal split for S = v * nodes * G / width stages, or None if none fits
     memory (with v > 1 each stage gets 1/v of a worker's budget)."""
     num_layers = tables.num_layers
@@ -213,7 +239,9 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
     forward = tables.forward / width
     below = tables.below[None, :] / width
     budget = cluster.memory_per_worker * width / virtual_stages
-    big_m = microbatches * compute
+    # a stage's own term: its microbatches, then its all-reduce and optimizer step (Note:
+    # [cost model]); with interleaving the split is the 1F1B one, tails included
+    big_m = microbatches * compute + tables.tail(pipelines, width)
     value = np.full(num_layers + 1, np.inf)
     choices: list[np.ndarray] = []
     for j in reversed(range(num_stages)):
@@ -241,7 +269,7 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
 
 def plan_template(profile: ModelProfile, cluster: Cluster, nodes: int, microbatches: int, *,
                   wide: bool = False, tables: CostTables | None = None,
-                  virtual_stages: int = 1) -> PipelineTemplate | None:
+                  virtual_stages: int = 1, pipelines: int = 1) -> PipelineTemplate | None:
     """The optimal template for `nodes` nodes, or None when no split fits."""
     if wide and virtual_stages > 1:
         raise ValueError("wide templates and interleaved (virtual_stages > 1) cannot be combined")
@@ -250,10 +278,10 @@ def plan_template(profile: ModelProfile, cluster: Cluster, nodes: int, microbatc
     widths = [w for w in range(1, g + 1) if g % w == 0] if wide else [1]
     best: PipelineTemplate | None = None
     for width in widths:
-        bounds = _optimal_bounds(tables, cluster, nodes, width, microbatches, virtual_stages)
+        bounds = _optimal_bounds(tables, cluster, nodes, width, microbatches, virtual_stages, pipelines)
         if bounds is None:
             continue
-        candidate = template_from_bounds(profile, cluster, nodes, bounds, microbatches, virtual_stages)
+        candidate = template_from_bounds(profile, cluster, nodes, bounds, microbatches, virtual_stages, pipelines)
         if any(s.memory_bytes > cluster.memory_per_worker for s in candidate.stages):
             continue  # interleaving's extra in-flight activations do not fit
         if best is None or candidate.iteration_ms < best.iteration_ms:
@@ -311,7 +339,8 @@ def plan_templates(profile: ModelProfile, cluster: Cluster, *, max_nodes: int, f
             break
         template = plan_template(profile, cluster, n,
                                  nominal_microbatches(total_microbatches, n, max_nodes),
-                                 wide=wide, tables=tables, virtual_stages=virtual_stages)
+                                 wide=wide, tables=tables, virtual_stages=virtual_stages,
+                                 pipelines=fault_tolerance + 1)
         if template is not None:
             templates[n] = template
             n0 = n0 or n

@@ -82,13 +82,18 @@ def plain(value: Any) -> Any:
 def job_key(model: str, cfg, samples: int) -> dict[str, Any]:
     """What a checkpoint must share with a job to be loaded by it (flat dotted keys): the model
     (`name:fingerprint`), and what fixes the meaning of a step: the global batch, the seed and
-    the data (which samples step k takes), the dtype and the optimizer (the state's shapes).
+    the data (which samples step k takes), the precision and the optimizer (the state's shapes).
     Everything else (train.steps, the lr, the schedule, clipping, microbatches, the node count)
     may change between a job and its resumption."""
     train, data = cfg.train, cfg.data
-    return {"model": model, "train.global_batch_size": train.global_batch_size, "train.seed": train.seed,
-            "train.dtype": train.dtype, "train.optimizer.name": train.optimizer.name,
-            "data.seq_len": data.seq_len, "data.shuffle": data.shuffle, "data.samples": samples}
+    # "train.dtype" is the master parameters' dtype, under the key jobs had before
+    # train.precision, so their checkpoints still match; only bf16-mixed adds a key.
+    key = {"model": model, "train.global_batch_size": train.global_batch_size, "train.seed": train.seed,
+           "train.dtype": train.param_dtype, "train.optimizer.name": train.optimizer.name,
+           "data.seq_len": data.seq_len, "data.shuffle": data.shuffle, "data.samples": samples}
+    if train.mixed:
+        key["train.precision"] = train.precision
+    return key
 
 
 def job_digest(job: Mapping[str, Any]) -> str:
@@ -115,7 +120,7 @@ class CheckpointId:
 
 def checkpoint_id(run_id: str, spec: ModelSpec, cfg, samples: int) -> CheckpointId:
     """The CheckpointId of a run of `spec` under `cfg` on a dataset of `samples` samples."""
-    dtype = DTYPES[cfg.train.dtype]
+    dtype = DTYPES[cfg.train.param_dtype]  # checkpoints hold the master state
     job = job_key(f"{spec.name}:{model_fingerprint(spec, dtype)}", cfg, samples)
     return CheckpointId(run_id, job, spec.num_layers, params=state_shapes(spec, dtype))
 

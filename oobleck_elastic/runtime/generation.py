@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from oobleck_elastic.planning import WorkerRef
+from oobleck_elastic.runtime.devices import abort_groups, backend_for, prepare_backend
 from oobleck_elastic.runtime.layers import LayerStore, flatten, unflatten
 from oobleck_elastic.runtime.plan import GenerationPlan, StageRole
 
@@ -93,7 +94,8 @@ class Generation:
         self._fault = fault
         self._closed = True  # until the default group exists
         _count_group_names_from_zero()
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{plan.generation}", store),
+        prepare_backend(layers.device)
+        dist.init_process_group(backend_for(layers.device), store=dist.PrefixStore(f"gen{plan.generation}", store),
                                 rank=self.rank, world_size=len(plan.members), timeout=timeout)
         self._closed = False
         try:
@@ -163,7 +165,9 @@ class Generation:
         role = self.role
         sorted_ranks = sorted(set(role.stage_ranks))
         to_group_rank = {k: sorted_ranks.index(r) for k, r in enumerate(role.stage_ranks)}
-        self.stage_modules = [StageModule([self.layers[i].module for i in range(*layers)], self._fault)
+        # the stage runs each layer's compute copy: the module itself, or its bf16 copy under
+        # bf16-mixed (runtime.layers Note: [mixed precision])
+        self.stage_modules = [StageModule([self.layers[i].compute for i in range(*layers)], self._fault)
                               for layers in role.stage_layers]
         def shapes(layers: tuple[int, int]) -> dict[str, torch.Tensor]:
             return {} if boundaries is None else {"input_args": boundaries[layers[0]],
@@ -201,6 +205,7 @@ class Generation:
     def _run_schedule(self, method: str, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[float, int]:
         if self.role is None:  # a spare: no stage, no schedule
             return 0.0, 0
+        self.layers.refresh_compute(self.held_layers())
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.role.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.role.is_last else {}
@@ -265,6 +270,8 @@ class Generation:
         self.grad_groups = []
         self.tie_groups = []
         try:
-            dist.destroy_process_group()
+            abort_groups(self.layers.device)  # CUDA: never wait on a dead peer's communicator
+            if dist.is_initialized():
+                dist.destroy_process_group()
         finally:
             gc.collect()

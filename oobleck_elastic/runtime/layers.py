@@ -4,10 +4,23 @@ A worker's LayerStore outlives generations: a new generation takes the modules i
 drops the ones it no longer needs (after transfers), and materialises or receives the rest.
 Each layer has its own optimizer so its full state (parameters, optimizer tensors, step
 counter) can be copied to another worker as one unit.
+
+Note: [mixed precision]
+    Under train.precision bf16-mixed a layer has two modules: `module`, the float32 master
+    (parameters, the gradients that are summed across pipelines and clipped, the optimizer
+    and its state: everything checkpoints and layer transfers carry), and `compute`, a
+    bfloat16 copy that the pipeline stage runs forward and backward. Each bf16 gradient is
+    added into the master's float32 .grad as soon as autograd has accumulated it (a
+    post-accumulate-grad hook), then dropped, so microbatches accumulate in float32. The copy
+    is refreshed from the master at the start of every step (`refresh_compute`), whatever
+    wrote the master since (optimizer step, transfer, checkpoint restore). Activations and
+    their gradients cross stage boundaries in bfloat16. Under every other precision
+    `compute` is `module` itself and nothing is copied.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from collections.abc import Iterable, Mapping
 
@@ -54,10 +67,40 @@ class LayerState:
         self.module = module
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
+        self.compute = self._compute_copy(module, DTYPES[train.compute_dtype]) if train.mixed else module
         cls = optimizer_class(train.optimizer)
         groups = _param_groups(self.named_params, train, canonical or {})
         self.optimizer = cls(groups, **dict(train.optimizer.kwargs)) if self.params else None
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def _compute_copy(self, module: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """The low-precision copy the stage runs, its gradients routed into the master's
+        (Note: [mixed precision])."""
+        compute = copy.deepcopy(module).to(dtype=dtype)
+        copies = [p for p in compute.parameters() if p.requires_grad]
+        assert len(copies) == len(self.params), "a module's copy has the same trainable parameters"
+        for low, master in zip(copies, self.params):
+            low.register_post_accumulate_grad_hook(self._into_master(master))
+        return compute
+
+    @staticmethod
+    def _into_master(master: nn.Parameter):
+        def hook(low: torch.Tensor) -> None:
+            if master.grad is None:
+                master.grad = low.grad.to(master.dtype)
+            else:
+                master.grad.add_(low.grad)
+            low.grad = None
+        return hook
+
+    def refresh_compute(self) -> None:
+        """Copies the master parameters and buffers into the compute copy (no-op unless mixed)."""
+        if self.compute is self.module:
+            return
+        with torch.no_grad():
+            for low, master in zip(self.compute.state_dict(keep_vars=True).values(),
+                                   self.module.state_dict(keep_vars=True).values()):
+                low.copy_(master)
 
     def set_lr(self, factor: float) -> None:
         if self.optimizer:
@@ -141,7 +184,10 @@ class LayerStore:
         self.model = model
         self.train = train
         self.device = device
-        self.dtype = DTYPES[train.dtype]
+        self.dtype = DTYPES[train.param_dtype]
+        """dtype of the master parameters (Note: [mixed precision])."""
+        self.compute_dtype = DTYPES[train.compute_dtype]
+        """dtype the stages compute in and send between them."""
         self.layers: dict[int, LayerState] = {}
 
     def materialize(self, index: int) -> LayerState:
@@ -150,6 +196,11 @@ class LayerStore:
         state = LayerState(module, self.train, canonical)
         self.layers[index] = state
         return state
+
+    def refresh_compute(self, indices: Iterable[int]) -> None:
+        """Brings the compute copies of these layers up to their masters (Note: [mixed precision])."""
+        for index in indices:
+            self.layers[index].refresh_compute()
 
     def keep_only(self, indices: Iterable[int]) -> None:
         keep = set(indices)

@@ -1,17 +1,24 @@
 """The layer profiler: real forward and backward times and memory of each layer, cached.
 
-For each layer, on the local device, with the job's microbatch size and dtype:
+For each layer, on the local device, with the job's microbatch size and precision:
   * forward_ms / backward_ms: median of `iterations` timed runs after one warm-up; backward is
     a real `torch.autograd.backward` of the layer's output (the loss, for the last layer);
-  * param_bytes, grad_bytes: the layer's trainable parameters and their gradients;
+  * optimizer_ms: the configured optimizer's step on the layer (under bf16-mixed with the
+    refresh of the layer's bf16 copy from its float32 master), timed the same way;
+  * param_bytes, grad_bytes: the layer's trainable (master) parameters and their gradients;
+  * compute_copy_bytes: the bf16 copy the stage computes with under bf16-mixed (else 0);
   * optimizer_bytes: the state the configured optimizer holds after one real step;
-  * activation_bytes: tensors autograd saves for backward (counted once per storage);
+  * activation_bytes: tensors autograd saves for backward (counted once per storage; on CUDA
+    at least the allocator's peak growth during the forward);
   * output_bytes: the layer's output, what crosses a stage boundary.
+
+The layer runs exactly as a worker runs it (runtime.layers.LayerState: master, compute copy,
+gradient hooks, optimizer). On CUDA times come from CUDA events, on the CPU from the wall clock.
 
 The profile file (format in `planning.profile`) lives in `planner.profile_dir`, named by a hash
 of every field of its key: the model's signature (its name and fingerprint: architecture
 description, every layer's parameter and buffer shapes and dtypes; runtime.model.model_fingerprint)
-with the optimizer, microbatch size, dtype, device and torch version. A cached file is used only if its recorded key matches; anything else is
+with the optimizer, microbatch size, precision, device and torch version. A cached file is used only if its recorded key matches; anything else is
 profiled again, so a stale cache is never used.
 """
 
@@ -29,12 +36,13 @@ from collections.abc import Callable
 import psutil
 import torch
 
-from oobleck_elastic.config import OptimizerConfig
+from oobleck_elastic.config import OptimizerConfig, TrainConfig
+from oobleck_elastic.config.schema import PRECISIONS
 from oobleck_elastic.planning.profile import PROFILE_FORMAT, LayerProfile, ModelProfile
+from oobleck_elastic.runtime.layers import LayerState
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer, model_fingerprint
-from oobleck_elastic.runtime.supported import optimizer_class
 
-__all__ = ["profile_model", "load_or_profile", "profile_path", "device_memory_bytes"]
+__all__ = ["profile_model", "load_or_profile", "profile_path", "device_memory_bytes", "resolve_precision"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +60,54 @@ def _device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], None], device: torch.device, iterations: int) -> float:
+    """Median milliseconds of `iterations` runs of fn after one warm-up (CUDA events on a GPU)."""
     fn()  # warm-up
     samples = []
     for _ in range(iterations):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            start_s = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start_s) * 1e3)
     return statistics.median(samples)
+
+
+def _peak_growth(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """run()'s result and, on CUDA, how far the allocator's peak rose above what was allocated
+    before (0 on the CPU, which has no such counter)."""
+    if device.type != "cuda":
+        return run(), 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = run()
+    torch.cuda.synchronize(device)
+    return out, max(0, torch.cuda.max_memory_allocated(device) - before)
+
+
+def resolve_precision(precision: str | None = None, dtype: str | None = None) -> str:
+    """train.precision from either spelling the profiler takes: a precision (fp32, bf16-mixed,
+    bf16, fp64) or a former dtype name (float32, bfloat16, float64)."""
+    value = precision or dtype or "fp32"
+    value = {"float32": "fp32", "bfloat16": "bf16", "float64": "fp64"}.get(value, value)
+    if value not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)} (or float32, bfloat16, float64), "
+                         f"got {precision or dtype!r}")
+    return value
+
+
+def _profile_name(precision: str) -> str:
+    """The profile's `dtype` field: the dtype name for a single-dtype precision (as profiles
+    recorded before train.precision), the precision for bf16-mixed."""
+    master, compute = PRECISIONS[precision]
+    return master if master == compute else precision
 
 
 def _saved_bytes(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -87,20 +128,24 @@ def _nbytes(tensors) -> int:
 
 
 def _profile_layer(spec: ModelSpec, index: int, x: torch.Tensor, target: torch.Tensor, *,
-                   seed: int, dtype: torch.dtype, device: torch.device, iterations: int,
-                   optimizer: OptimizerConfig) -> tuple[LayerProfile, torch.Tensor]:
-    layer = materialize_layer(spec, index, seed=seed, dtype=dtype, device=device)
+                   seed: int, train: TrainConfig, device: torch.device,
+                   iterations: int) -> tuple[LayerProfile, torch.Tensor]:
+    master = materialize_layer(spec, index, seed=seed, dtype=DTYPES[train.param_dtype], device=device)
+    state = LayerState(master, train)  # master, compute copy and optimizer, as a worker holds them
+    layer = state.compute
     last = index == spec.num_layers - 1
-    params = [p for p in layer.parameters() if p.requires_grad]
 
     def forward() -> torch.Tensor:
         inp = x.detach().requires_grad_(x.is_floating_point())
         out = layer(inp)
+        if last and out.is_floating_point():
+            out = out.to(master_dtype)  # the loss in the master's dtype, as the trainer computes it
         return spec.loss(out, target) if last else out
 
+    master_dtype = DTYPES[train.param_dtype]
     with torch.no_grad():
         next_input = layer(x)
-    out, saved = _saved_bytes(forward)
+    (out, saved), peak = _peak_growth(lambda: _saved_bytes(forward), device)
     grad = None if last else torch.randn_like(out)
     forward_ms = _timed(lambda: forward(), device, iterations)
 
@@ -110,54 +155,65 @@ def _profile_layer(spec: ModelSpec, index: int, x: torch.Tensor, target: torch.T
 
     # Backward time = (forward + backward) - forward, both measured on fresh graphs.
     both_ms = _timed(backward, device, iterations)
-    opt = optimizer_class(optimizer)(params, **dict(optimizer.kwargs)) if params else None
-    if opt is not None:
-        opt.step()
-        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    else:
-        state = []
+    optimizer_ms = 0.0
+    if state.optimizer is not None:
+        state.grads()  # every master gradient exists, as after a real backward
+
+        def optimizer_step() -> None:
+            state.optimizer.step()
+            state.refresh_compute()
+
+        optimizer_ms = _timed(optimizer_step, device, iterations)
+    opt_state = [v for s in state.optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v)] if state.optimizer else []
+    copy_bytes = _nbytes([p for p in layer.parameters() if p.requires_grad]) if layer is not master else 0
     profile = LayerProfile(
         name=spec.layers[index].name, forward_ms=forward_ms, backward_ms=max(both_ms - forward_ms, 1e-6),
-        param_bytes=_nbytes(params), grad_bytes=_nbytes(params), optimizer_bytes=_nbytes(state),
-        activation_bytes=saved, output_bytes=_nbytes([out]))
+        param_bytes=_nbytes(state.params), grad_bytes=_nbytes(state.params), optimizer_bytes=_nbytes(opt_state),
+        activation_bytes=max(saved, peak), output_bytes=_nbytes([out]), optimizer_ms=optimizer_ms,
+        compute_copy_bytes=copy_bytes)
     return profile, next_input
 
 
-def profile_model(spec: ModelSpec, *, microbatch_size: int, dtype: str, seed: int = 0,
+def profile_model(spec: ModelSpec, *, microbatch_size: int, precision: str | None = None, seed: int = 0,
                   iterations: int = 5, optimizer: OptimizerConfig | None = None,
-                  device: torch.device | str = "cpu") -> ModelProfile:
-    """Measures every layer of `spec` on `device` (see module docstring)."""
+                  device: torch.device | str = "cpu", dtype: str | None = None) -> ModelProfile:
+    """Measures every layer of `spec` on `device` (see module docstring). `dtype`: the former
+    name of `precision` (float32, bfloat16, float64)."""
     optimizer = optimizer or OptimizerConfig()
-    profile = _measure(spec, microbatch_size=microbatch_size, dtype=dtype, seed=seed, iterations=iterations,
-                       optimizer=optimizer, device=device)
-    return dataclasses.replace(profile, signature=_signature(spec, optimizer, dtype))
+    precision = resolve_precision(precision, dtype)
+    profile = _measure(spec, microbatch_size=microbatch_size, precision=precision, seed=seed,
+                       iterations=iterations, optimizer=optimizer, device=device)
+    return dataclasses.replace(profile, signature=_signature(spec, optimizer, precision))
 
 
-def _measure(spec: ModelSpec, *, microbatch_size: int, dtype: str, seed: int, iterations: int,
+def _measure(spec: ModelSpec, *, microbatch_size: int, precision: str, seed: int, iterations: int,
              optimizer: OptimizerConfig, device: torch.device | str) -> ModelProfile:
     """The measurements, with an empty signature (the callers set it)."""
     device = torch.device(device)
-    torch_dtype = DTYPES[dtype]
+    train = TrainConfig(precision=precision, optimizer=optimizer, seed=seed)
+    compute_dtype = DTYPES[train.compute_dtype]
     x, target = spec.sample_batch(microbatch_size)
-    x = x.to(device=device, dtype=torch_dtype if x.is_floating_point() else x.dtype)
+    x = x.to(device=device, dtype=compute_dtype if x.is_floating_point() else x.dtype)
     target = target.to(device)
     layers = []
     for i in range(spec.num_layers):
-        layer, x = _profile_layer(spec, i, x, target, seed=seed, dtype=torch_dtype, device=device,
-                                  iterations=iterations, optimizer=optimizer)
+        layer, x = _profile_layer(spec, i, x, target, seed=seed, train=train, device=device,
+                                  iterations=iterations)
         layers.append(layer)
     return ModelProfile(signature="", microbatch_size=microbatch_size,
-                        dtype=dtype, device=_device_name(device), torch_version=torch.__version__,
+                        dtype=_profile_name(precision), device=_device_name(device), torch_version=torch.__version__,
                         device_memory_bytes=device_memory_bytes(device), layers=tuple(layers))
 
 
-def _signature(spec: ModelSpec, optimizer: OptimizerConfig, dtype: str) -> str:
-    return f"{spec.name}:{model_fingerprint(spec, DTYPES[dtype])}|optimizer={optimizer.name}"
+def _signature(spec: ModelSpec, optimizer: OptimizerConfig, precision: str) -> str:
+    return f"{spec.name}:{model_fingerprint(spec, DTYPES[PRECISIONS[precision][0]])}|optimizer={optimizer.name}"
 
 
-def profile_path(directory: str, spec: ModelSpec, *, microbatch_size: int, dtype: str,
-                 optimizer: OptimizerConfig, device: torch.device | str = "cpu") -> str:
-    return _path(directory, spec, _key(spec, microbatch_size, dtype, optimizer, torch.device(device)))
+def profile_path(directory: str, spec: ModelSpec, *, microbatch_size: int, precision: str | None = None,
+                 optimizer: OptimizerConfig, device: torch.device | str = "cpu", dtype: str | None = None) -> str:
+    return _path(directory, spec, _key(spec, microbatch_size, resolve_precision(precision, dtype), optimizer,
+                                       torch.device(device)))
 
 
 def _path(directory: str, spec: ModelSpec, key: dict[str, object]) -> str:
@@ -166,21 +222,22 @@ def _path(directory: str, spec: ModelSpec, key: dict[str, object]) -> str:
     return os.path.join(directory, f"{name}-{digest}.json")
 
 
-def _key(spec: ModelSpec, microbatch_size: int, dtype: str, optimizer: OptimizerConfig,
+def _key(spec: ModelSpec, microbatch_size: int, precision: str, optimizer: OptimizerConfig,
          device: torch.device) -> dict[str, object]:
-    return {"format": PROFILE_FORMAT, "signature": _signature(spec, optimizer, dtype),
-            "microbatch_size": microbatch_size, "dtype": dtype, "device": _device_name(device),
+    return {"format": PROFILE_FORMAT, "signature": _signature(spec, optimizer, precision),
+            "microbatch_size": microbatch_size, "dtype": _profile_name(precision), "device": _device_name(device),
             "torch_version": torch.__version__}
 
 
-def load_or_profile(spec: ModelSpec, *, directory: str, microbatch_size: int, dtype: str, seed: int = 0,
-                    iterations: int = 5, optimizer: OptimizerConfig | None = None,
-                    device: torch.device | str = "cpu") -> tuple[ModelProfile, bool]:
+def load_or_profile(spec: ModelSpec, *, directory: str, microbatch_size: int, precision: str | None = None,
+                    seed: int = 0, iterations: int = 5, optimizer: OptimizerConfig | None = None,
+                    device: torch.device | str = "cpu", dtype: str | None = None) -> tuple[ModelProfile, bool]:
     """The cached profile if its key matches exactly, else a fresh one (saved). Returns
-    (profile, came_from_cache)."""
+    (profile, came_from_cache). `dtype`: the former name of `precision`."""
     optimizer = optimizer or OptimizerConfig()
+    precision = resolve_precision(precision, dtype)
     device = torch.device(device)
-    expected = _key(spec, microbatch_size, dtype, optimizer, device)  # the fingerprint, built once
+    expected = _key(spec, microbatch_size, precision, optimizer, device)  # the fingerprint, built once
     path = _path(directory, spec, expected)
     if os.path.exists(path):
         try:
@@ -191,7 +248,7 @@ def load_or_profile(spec: ModelSpec, *, directory: str, microbatch_size: int, dt
             if cached.key() == expected and cached.num_layers == spec.num_layers:
                 return cached, True
             logger.info("profile cache %s is stale (key changed); profiling again", path)
-    profile = dataclasses.replace(_measure(spec, microbatch_size=microbatch_size, dtype=dtype, seed=seed,
+    profile = dataclasses.replace(_measure(spec, microbatch_size=microbatch_size, precision=precision, seed=seed,
                                            iterations=iterations, optimizer=optimizer, device=device),
                                   signature=expected["signature"])
     profile.save(path)

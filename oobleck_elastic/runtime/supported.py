@@ -47,3 +47,6 @@ def check_supported(cfg: JobConfig) -> None:
         raise ConfigError("planner.wide plans stages that span several workers, which the runtime does "
                           "not execute (it is for dry runs: python -m oobleck_elastic.plan --wide); "
                           "set planner.wide=false to train")
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device is cuda but torch {torch.__version__} sees no CUDA device; "
+                          "set train.device=auto (CUDA when available, else the CPU) or cpu")

@@ -20,6 +20,7 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime.checkpoint import restore_layers
 from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
+from oobleck_elastic.runtime.devices import resolve_device
 from oobleck_elastic.runtime.generation import Generation
 from oobleck_elastic.runtime.layers import LayerStore
 from oobleck_elastic.runtime.lr import lr_factor
@@ -58,7 +59,7 @@ class StepStats:
 
 class Trainer:
     def __init__(self, *, model: ModelSpec, dataset: Dataset, cfg: JobConfig, me: WorkerRef,
-                 store: dist.Store, device: torch.device | str = "cpu", fault=None,
+                 store: dist.Store, device: torch.device | str | None = None, fault=None,
                  eval_dataset: Dataset | None = None) -> None:
         check_supported(cfg)
         self.fault = fault or (lambda phase: None)
@@ -67,7 +68,9 @@ class Trainer:
         self.cfg = cfg
         self.me = me
         self.store = store
-        self.layers = LayerStore(model, cfg.train, torch.device(device))
+        # None: train.device, resolved for this worker's local rank (runtime.devices)
+        device = resolve_device(cfg.train.device, me.local_rank) if device is None else torch.device(device)
+        self.layers = LayerStore(model, cfg.train, device)
         self.order = SampleOrder(len(dataset), cfg.train.seed, cfg.data.shuffle)
         self.loader = BatchLoader(dataset, self.order, cfg.train.global_batch_size, model.loss_count,
                                   self.layers.device)
@@ -87,7 +90,7 @@ class Trainer:
         if self._boundaries is None:
             sample = self.loader.microbatch_input(self.cfg.train.microbatch_size)
             try:
-                self._boundaries = boundary_activations(self.model, self.layers.dtype, sample)
+                self._boundaries = boundary_activations(self.model, self.layers.compute_dtype, sample)
             except Exception as exc:  # a layer with data-dependent control flow, say
                 logger.warning("%s: the model does not run on the meta device (%s: %s), so pipeline stages "
                                "exchange their shapes at each generation's first step, as pickles "
@@ -100,6 +103,8 @@ class Trainer:
         count = self.model.loss_count(target)
         if count == 0:  # nothing counted (all padding): no gradient, and no 0/0 from the mean
             return output.sum() * 0.0
+        if output.dtype != self.layers.dtype and output.is_floating_point():
+            output = output.to(self.layers.dtype)  # bf16-mixed: the loss in the master's float32
         return self.model.loss(output, target) * (count / self._step_count)
 
     def set_timeout(self, seconds: float) -> None:

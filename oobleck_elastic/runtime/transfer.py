@@ -4,8 +4,8 @@ Note: [transfer wire format]
     For each (layer, src, dst) of a transfer plan the sender walks the layer's
     `LayerState.state_tensors()` in order: each tensor of at least DIRECT_BYTES goes as a
     message of its own, sent from and received into the tensor itself (no copy on either
-    side); the smaller ones are flattened into one buffer per dtype, in order of first
-    appearance, and copied in on arrival. Message k of transfer i has tag i * MESSAGES + k.
+    side); the smaller ones are flattened into one buffer per (device, dtype), in order of
+    first appearance (on CUDA an optimizer keeps its step counters on the CPU), and copied in on arrival. Message k of transfer i has tag i * MESSAGES + k.
     The receiver, holding a freshly built replica of the same layer (its optimizer primed
     when the run has stepped), derives the same messages from the same layer factory, so
     nothing but tensor bytes crosses the wire and a recovered replica is bit-identical to its
@@ -33,13 +33,15 @@ DIRECT_BYTES = 1 << 18  # a tensor this large is its own message
 
 def _messages(tensors: Sequence[torch.Tensor]) -> list[tuple[bool, list[torch.Tensor]]]:
     """The layer's state as messages, (direct, tensors): a large contiguous tensor alone, sent
-    and received in place; the rest by dtype, through a flat buffer."""
+    and received in place; the rest by (device, dtype), through a flat buffer."""
     direct, buckets = [], {}
     for t in tensors:
         if t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES:
             direct.append((True, [t]))
         else:
-            buckets.setdefault(t.dtype, []).append(t)
+            # by device too: on CUDA an optimizer keeps its step counters on the CPU (they travel
+            # on gloo, the parameters device to device on NCCL: runtime.devices Note: [devices])
+            buckets.setdefault((t.device, t.dtype), []).append(t)
     messages = direct + [(False, bucket) for bucket in buckets.values()]
     if len(messages) > MESSAGES:
         raise ValueError(f"a layer's state makes {len(messages)} messages; at most {MESSAGES} are supported")

@@ -1,0 +1,82 @@
+"""Where a worker computes and how its process groups talk: the device of train.device, the
+process-group backend for it, and the teardown of a generation's groups on that backend.
+
+Note: [devices]
+    On the CPU every tensor crosses gloo, as before. On CUDA each worker uses
+    cuda:LOCAL_RANK and a generation's groups are created with the backend
+    "cpu:gloo,cuda:nccl": CUDA tensors (pipeline sends, gradient all-reduces, layer-state
+    transfers) go device to device on NCCL, CPU tensors (the step's statistics, the layer
+    summaries) on gloo. A dead NCCL peer does not close a socket the way a gloo peer does:
+    the survivors' kernels wait until the collective timeout (elastic.collective_timeout_s,
+    given to every group), and only NCCL's async error handling turns that into an error
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, set here before the first group: "clean up only",
+    the watchdog aborts the failed communicator and the error is raised in the worker; 1 would
+    also kill the process, and a survivor must live on to rebuild). Destroying a group
+    whose communicator is stuck would wait on it, so a generation on CUDA aborts its
+    communicators instead (`abort_groups`) and never waits on the old generation.
+
+    The CUDA path is written but unverified: this project's machines had no GPU (README:
+    Precision and devices).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from oobleck_elastic.errors import ConfigError
+
+__all__ = ["resolve_device", "backend_for", "prepare_backend", "abort_groups"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
+    """train.device -> this worker's device: cuda:LOCAL_RANK for cuda (and for auto when CUDA
+    is available), else the CPU."""
+    if setting not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device must be auto, cpu or cuda, got {setting!r}")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device is cuda but torch sees no CUDA device "
+                           f"(torch {torch.__version__}); use train.device=auto or cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(f"worker with LOCAL_RANK {local_rank} needs cuda:{local_rank} but this machine has "
+                           f"{count} GPU(s); start at most {count} workers per node (--nproc-per-node)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend of a generation on `device` (Note: [devices])."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def prepare_backend(device: torch.device) -> None:
+    """Turns on NCCL's async error handling (clean up, raise, keep the process) before the
+    first NCCL communicator exists, so a collective that outlives the group's timeout raises
+    instead of hanging (Note: [devices]). A value the user set is kept."""
+    if device.type == "cuda":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def abort_groups(device: torch.device) -> None:
+    """Aborts every communicator of the current default group and its subgroups (CUDA), never
+    waiting on a peer that may be dead; on the CPU nothing is needed (gloo's sockets close
+    when the groups are destroyed)."""
+    if device.type != "cuda" or not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:  # an older torch: destroy_process_group below still runs
+        logger.warning("torch %s has no _abort_process_group; NCCL communicators are destroyed, not aborted",
+                       torch.__version__)
+        return
+    try:
+        abort()  # the default group and every subgroup; afterwards no group is initialised
+    except Exception as exc:  # the communicators may already have failed: tearing down goes on
+        logger.warning("aborting the generation's NCCL communicators failed: %s", exc)
