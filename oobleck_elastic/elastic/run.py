@@ -360,6 +360,9 @@ class Run:
         complete = self.protocol.complete(old.generation, len(old.members))
         base_g = old.generation if complete else failed.base
         base = Base(base_g, self._record(base_g).instantiation) if base_g is not None else None
+        if self.me.node not in alive:  # taken for dead while it hung, or behind the others
+            raise Fenced(f"node {self.me.node} fenced: it is not among the nodes that answered the roll call "
+                         f"of generation {old.generation}")
         if len(alive) < self.templates.min_nodes:
             alive = alive + self._await_joiners(old, alive)
         record = self._propose(old, base, alive, dead, step, cause, fresh=failed.restored_from is None)
@@ -380,6 +383,8 @@ class Run:
         members = set(old.instantiation.nodes) | set(alive)
 
         def enough() -> list[int] | None:
+            if self.protocol.try_record(old.generation + 1) is not None:
+                return []  # another survivor moved on first: its record wins, and this worker adopts it
             ready = self.protocol.ready_joiners(members, self.max_nodes)
             return ready if len(alive) + len(ready) >= need else None
         try:
