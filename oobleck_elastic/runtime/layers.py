@@ -190,8 +190,10 @@ class LayerStore:
         """dtype the stages compute in and send between them."""
         self.layers: dict[int, LayerState] = {}
 
-    def materialize(self, index: int) -> LayerState:
-        module = materialize_layer(self.model, index, seed=self.train.seed, dtype=self.dtype, device=self.device)
+    def materialize(self, index: int, *, init: bool = True) -> LayerState:
+        """Builds layer `index`; `init=False` for one whose whole state is about to arrive."""
+        module = materialize_layer(self.model, index, seed=self.train.seed, dtype=self.dtype, device=self.device,
+                                   init=init)
         canonical = {name: canon for name, (_, canon) in self.model.tied_copies().get(index, {}).items()}
         state = LayerState(module, self.train, canonical)
         self.layers[index] = state

@@ -33,6 +33,7 @@ Note: [tied parameters]
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Mapping
@@ -137,12 +138,39 @@ def layer_seed(seed: int, index: int, salt: str = "layer") -> int:
 
 
 def materialize_layer(spec: ModelSpec, index: int, *, seed: int, dtype: torch.dtype,
-                      device: torch.device | str = "cpu") -> nn.Module:
-    """Builds layer `index` exactly as every other replica of it (Note: [layer initialisation])."""
+                      device: torch.device | str = "cpu", init: bool = True) -> nn.Module:
+    """Builds layer `index` exactly as every other replica of it (Note: [layer initialisation]).
+    `init=False`: its parameters' values are left undefined, for a transfer to overwrite (Note:
+    [building without init])."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(layer_seed(seed, index))
-        module = spec.layers[index].factory()
+        with contextlib.nullcontext() if init else _without_init():
+            module = spec.layers[index].factory()
     return module.to(device=device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _without_init():
+    """Note: [building without init]
+        A layer that is about to receive its whole state (parameters, persistent buffers and
+        optimizer state) from a replica need not draw its random initial values first: for a
+        150 MB layer that is most of the receiver's work. While the factory runs, torch.nn.init's
+        in-place initialisers (kaiming_uniform_, normal_, zeros_, ...) return their tensor as
+        it is, so parameters keep torch.empty's memory. Buffers computed another way (a causal
+        mask, rotary frequencies), persistent or not, are built as always. Only the worker's
+        main thread builds layers."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+
+    def keep(tensor, *args, **kwargs):
+        return tensor
+    try:
+        for n in names:
+            setattr(nn.init, n, keep)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
 
 
 def _meta_states(spec: ModelSpec, dtype: torch.dtype) -> list[tuple[str, str, list[tuple[str, list[int], str]]]]:

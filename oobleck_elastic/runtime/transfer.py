@@ -70,7 +70,7 @@ def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: Worke
                     moved += flat.numel() * flat.element_size()
                     pending.append(dist.isend(flat, dst=plan.rank_of(t.dst), tag=index * MESSAGES + k))
             if t.dst == me:
-                state = layers.materialize(t.layer)
+                state = layers.materialize(t.layer, init=False)  # every value is about to arrive
                 if stepped:
                     state.prime_optimizer()
                 for k, (direct, message) in enumerate(_messages([x.detach() for x in state.state_tensors()])):
