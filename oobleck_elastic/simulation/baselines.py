@@ -17,9 +17,10 @@ model), and differs in what a change costs:
   model state per worker: a model that does not fit that cannot run at all. A failure costs
   `failover_s`; a second failure before the redundancy is rebuilt (`reprotect_s` later) falls
   back to a restart from the checkpoint like the restart baseline.
-* `TorchrunBaseline` (stock `torchrun --max-restarts`): any change restarts every worker
-  (`restart_s`, measured here by benchmarks/recovery.py: 10.6 s from the kill to the next
-  step for the GPT example on 5 local nodes, most of it torchrun's rendezvous and process
+* `TorchrunBaseline` (stock `torchrun --max-restarts`): any change, a join included, restarts
+  every worker (`restart_s`: 10.6 s from the kill to the next step, the project's latest
+  measurement with benchmarks/recovery.py for the GPT example on 5 local nodes; the README's
+  table quotes earlier runs at 15.5-18.9 s; most of it is torchrun's rendezvous and process
   start) plus reading the checkpoint (`checkpoint_read_s`), and loses the work since the
   newest checkpoint, written every `checkpoint_interval_s`.
 
