@@ -122,8 +122,8 @@ class SystemResult:
     idle_s: float
     recoveries: int
     fallbacks: int
-    timeline: tuple[tuple[float, float], ...]
-    """(time, samples/s from then on): 0 while not training."""
+    progress: tuple[tuple[float, float, int], ...]
+    """(start, end, steps) of the training that was kept: what a rollback threw away is left out."""
     finished_at: float | None = None
     """With a step goal: when the last step completed."""
     note: str = ""
@@ -155,7 +155,10 @@ class _Ledger:
     recoveries: int = 0
     fallbacks: int = 0
     finished_at: float | None = None
-    timeline: list[tuple[float, float]] = field(default_factory=list)
+    segments: list[list] = field(default_factory=list)
+    """[start, end, steps, kept] of each stretch of training."""
+    checkpoint_segment: int = 0
+    """Segments before this index were saved by the newest checkpoint."""
     last_sink: str = "idle_s"
     """The account the clock last advanced in (what `clip` takes back from)."""
 
@@ -163,15 +166,8 @@ class _Ledger:
     def done(self) -> bool:
         return self.finished_at is not None
 
-    def rate(self, samples_per_s: float) -> None:
-        if self.timeline and self.timeline[-1][0] == self.t:
-            self.timeline[-1] = (self.t, samples_per_s)
-        elif not self.timeline or self.timeline[-1][1] != samples_per_s:
-            self.timeline.append((self.t, samples_per_s))
-
     def train_until(self, target: float, step_s: float, every_steps: int, every_s: float, write_s: float) -> None:
         """Whole steps until `target` (or the goal), with checkpoints when due."""
-        self.rate(self.batch / step_s)
         while not self.done and self.t + step_s <= target * (1 + 1e-12):
             n = int(min((target - self.t) / step_s * (1 + 1e-12), 2**62))
             if every_steps:
@@ -181,6 +177,7 @@ class _Ledger:
             if self.goal_steps is not None:
                 n = min(n, self.goal_steps - self.steps)
             n = max(n, 1)
+            self.segments.append([self.t, self.t + n * step_s, n, True])
             self.t += n * step_s
             self.steps += n
             self.useful_s += n * step_s
@@ -192,15 +189,13 @@ class _Ledger:
             due = (every_steps and self.steps % every_steps == 0) or (every_s and self.since_checkpoint_s >= every_s - 1e-9)
             if due:
                 self.checkpoint(write_s)
-                self.rate(self.batch / step_s)
 
     def checkpoint(self, write_s: float) -> None:
-        if write_s:
-            self.rate(0.0)
         self.t += write_s
         self.checkpoint_s += write_s
         self.last_sink = "checkpoint_s"
         self.checkpoint_step = self.steps
+        self.checkpoint_segment = len(self.segments)
         self.since_checkpoint_s = 0.0
 
     def interrupt(self, at: float) -> None:
@@ -214,7 +209,6 @@ class _Ledger:
     def pause(self, seconds: float) -> None:
         if self.free:
             return
-        self.rate(0.0)
         self.t += seconds
         self.recovery_s += seconds
         self.recoveries += 1
@@ -222,7 +216,6 @@ class _Ledger:
 
     def idle_until(self, target: float) -> None:
         if target > self.t:
-            self.rate(0.0)
             self.idle_s += target - self.t
             self.t = target
             self.last_sink = "idle_s"
@@ -242,6 +235,8 @@ class _Ledger:
         self.steps = self.checkpoint_step
         self.since_checkpoint_s = 0.0
         self.fallbacks += 1
+        for segment in self.segments[self.checkpoint_segment:]:
+            segment[3] = False
 
 
 class _System:
@@ -479,7 +474,7 @@ def _result(system: _System, trace: Trace, ledger: _Ledger, free: _Ledger | None
                         failure_free_samples_per_s=free_rate, useful_s=ledger.useful_s, lost_s=ledger.lost_s,
                         recovery_s=ledger.recovery_s, fallback_s=ledger.fallback_s, checkpoint_s=ledger.checkpoint_s,
                         idle_s=ledger.idle_s, recoveries=ledger.recoveries, fallbacks=ledger.fallbacks,
-                        timeline=tuple(ledger.timeline), finished_at=ledger.finished_at, note=system.note,
+                        progress=tuple((a, b, n) for a, b, n, kept in ledger.segments if kept), finished_at=ledger.finished_at, note=system.note,
                         changes=changes)
 
 
@@ -528,7 +523,7 @@ def _unfit(name: str, trace: Trace, why: str) -> SystemResult:
     return SystemResult(system=name, trace=trace.name, duration_s=trace.duration_s, steps=0, samples=0,
                         samples_per_s=0.0, failure_free_samples_per_s=0.0, useful_s=0.0, lost_s=0.0, recovery_s=0.0,
                         fallback_s=0.0, checkpoint_s=0.0, idle_s=trace.duration_s, recoveries=0, fallbacks=0,
-                        timeline=((0.0, 0.0),), note=why)
+                        progress=(), note=why)
 
 
 def simulate(job: SimJob, trace: Trace, constants: RecoveryConstants, *, baselines: Baselines = Baselines(),

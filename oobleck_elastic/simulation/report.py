@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from oobleck_elastic.planning.report import table
 from oobleck_elastic.simulation.engine import SystemResult
 
-__all__ = ["PAPER_TABLE2", "rows", "results_table", "paper_table", "plot", "PAPER_EXPLANATION"]
+__all__ = ["PAPER_TABLE2", "rows", "results_table", "paper_table", "plot", "kept_rate", "PAPER_EXPLANATION"]
 
 PAPER_TABLE2 = {
     ("fixed:6h", "oobleck"): 4.33, ("fixed:1h", "oobleck"): 4.22, ("fixed:10min", "oobleck"): 3.55,
@@ -91,8 +91,24 @@ def paper_table(results: Sequence[SystemResult]) -> str:
                   "sim vs its failure-free"], lines)
 
 
-def plot(results: Sequence[SystemResult], path: str, title: str) -> str:
-    """Samples/s over time, one panel per trace, one line per system; written to `path` (PNG)."""
+def kept_rate(result: SystemResult, bins: int) -> tuple[list[float], list[float]]:
+    """Samples/s of the training that was kept, per time bin: (bin starts, rates)."""
+    width = result.duration_s / bins
+    kept = [0.0] * bins
+    batch = result.samples / result.steps if result.steps else 0.0
+    for start, end, steps in result.progress:
+        rate = steps * batch / (end - start)  # spread over the stretch that trained them
+        first, last = int(start / width), min(bins - 1, int(end / width))
+        for k in range(first, last + 1):
+            overlap = min(end, (k + 1) * width) - max(start, k * width)
+            if overlap > 0:
+                kept[k] += rate * overlap
+    return [k * width for k in range(bins)], [v / width for v in kept]
+
+
+def plot(results: Sequence[SystemResult], path: str, title: str, bins: int = 120) -> str:
+    """Throughput over time (samples/s of the training that was kept, in `bins` windows per
+    trace), one panel per trace, one line per system; written to `path` (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -102,12 +118,13 @@ def plot(results: Sequence[SystemResult], path: str, title: str) -> str:
     for i, trace in enumerate(traces):
         ax = fig.add_subplot(len(traces), 1, i + 1)
         for r in (r for r in results if r.trace == trace):
-            times = [t / 3600 for t, _ in r.timeline] + [r.duration_s / 3600]
-            rates = [v for _, v in r.timeline] + [r.timeline[-1][1] if r.timeline else 0.0]
-            ax.step(times, rates, where="post", label=f"{r.system} (mean {r.samples_per_s:.3g}/s)", linewidth=1)
+            starts, rates = kept_rate(r, bins)
+            hours = [t / 3600 for t in starts] + [r.duration_s / 3600]
+            ax.step(hours, rates + rates[-1:], where="post", linewidth=1,
+                    label=f"{r.system} (mean {r.samples_per_s:.3g}/s)")
         ax.set_title(f"{title}: {trace}", fontsize=9)
         ax.set_xlabel("hours")
-        ax.set_ylabel("samples/s while training")
+        ax.set_ylabel("samples/s kept")
         ax.legend(fontsize=7, loc="lower left")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
