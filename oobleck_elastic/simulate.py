@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="predict the time to train N steps instead of the throughput over the trace")
     p.add_argument("--checkpoint-interval", type=int, default=50, metavar="STEPS",
                    help="our runtime's checkpoint.interval (default 50; 0: none)")
+    p.add_argument("--host-cores", type=int, default=0, metavar="K",
+                   help="the job's workers share one host of K cores (a local CPU job; default 0: a device each)")
     p.add_argument("--checkpoint-write", default="0", metavar="DURATION",
                    help="training stall per checkpoint of our runtime (default 0: not modelled)")
     p.add_argument("--baseline", action="append", default=[], metavar="SYSTEM.FIELD=VALUE",
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit", nargs="+", metavar="METRICS", help="fit recovery constants to metrics logs and print "
                    "them (with the job options, the step overhead too)")
     p.add_argument("--fit-out", metavar="FILE", help="with --fit: also write the constants to FILE")
+    p.add_argument("--fit-source", metavar="TEXT", help="with --fit: where the logs come from (kept with the "
+                   "constants; default: the command)")
     p.add_argument("--plot", default="runs/simulate/throughput.png", metavar="PNG", help="where to draw the "
                    "throughput over time ('' for none)")
     p.add_argument("--json", action="store_true", help='print {"rows": [...]} instead of tables')
@@ -127,7 +131,8 @@ def _job(args: argparse.Namespace) -> SimJob:
     return SimJob(profile=profile, cluster=cluster, fault_tolerance=args.fault_tolerance,
                   global_batch=args.global_batch, microbatch=args.microbatch, wide=args.wide or planner.wide,
                   virtual_stages=args.virtual_stages, checkpoint_interval_steps=args.checkpoint_interval,
-                  checkpoint_write_s=parse_duration(args.checkpoint_write, "--checkpoint-write"))
+                  checkpoint_write_s=parse_duration(args.checkpoint_write, "--checkpoint-write"),
+                  host_cores=args.host_cores)
 
 
 def _traces(args: argparse.Namespace) -> list[Trace]:
@@ -150,8 +155,8 @@ def _traces(args: argparse.Namespace) -> list[Trace]:
 def _fit(args: argparse.Namespace) -> RecoveryConstants:
     described = bool(args.profile or args.synthetic)
     model = layout_step_model(_job(args)) if described else None
-    return fit_constants(args.fit, model, source="fitted by python -m oobleck_elastic.simulate --fit "
-                         + " ".join(args.fit))
+    return fit_constants(args.fit, model, source=args.fit_source or "fitted by python -m oobleck_elastic.simulate "
+                         "--fit " + " ".join(args.fit))
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -115,6 +115,24 @@ def test_constants_are_the_median_phases_of_recoveries_and_the_mean_step_overhea
     assert (constants.in_memory_records, constants.restore_records) == (3, 1)
 
 
+def test_each_log_can_be_fitted_against_its_own_runs_profile(tmp_path):
+    rec = {"event": "recovery", "lost": [1], "restored_from": None, "phases_s": {"detect": 0.1}}
+    gen = {"event": "generation", "nodes": [0], "pipelines": [{"nodes": [0], "microbatches": 1}]}
+    logs = [_write(tmp_path / f"m{k}.jsonl", [gen, {"step": 0, "time": 0.0}, {"step": 1, "time": gap}, rec])
+            for k, gap in enumerate((1.0, 2.0))]
+    constants = fit_constants(logs, [lambda r: 0.5, lambda r: 1.9])
+    assert constants.step_overhead_s == pytest.approx((0.5 + 0.1) / 2)
+
+
+def test_a_shared_host_bounds_a_step_by_its_cores():
+    job = small_job()
+    work = 32 * sum(layer.compute_ms for layer in job.profile.layers) / 1e3  # 32 microbatches, all layers
+    assert job.step_seconds(1.0) == pytest.approx(1e-3)
+    shared = small_job(host_cores=2)
+    assert shared.step_seconds(1.0) == pytest.approx(max(1e-3, work / 2))
+    assert shared.step_seconds(1e9) == pytest.approx(1e6)
+
+
 def test_fitting_a_log_without_failures_says_how_to_make_one(tmp_path):
     path = _write(tmp_path / "metrics.jsonl", [{"step": 0, "time": 1.0}])
     with pytest.raises(ConfigError, match="run a job with failures"):
@@ -124,7 +142,7 @@ def test_fitting_a_log_without_failures_says_how_to_make_one(tmp_path):
 def test_the_shipped_constants_say_where_they_come_from():
     constants = default_constants()
     assert constants.in_memory_records >= 2 and constants.step_records > 0
-    assert "metrics" in constants.source and constants.describe().startswith("recovery constants: detect")
+    assert "benchmarks/recovery_constants.py" in constants.source and constants.describe().startswith("recovery constants: detect")
 
 
 def test_transfer_time_is_the_busiest_workers_bytes_over_the_bandwidth():
@@ -167,6 +185,7 @@ def test_the_restart_baseline_rolls_back_to_its_last_checkpoint():
     assert free.checkpoint_s == 6.0 and r.fallbacks == 1 and r.recovery_s == 7.0
     assert r.fallback_s == pytest.approx(free.useful_s - saved * step)  # training since the checkpoint is lost
     assert r.failure_free_samples_per_s > r.samples_per_s
+    assert sum(steps for *_, steps in r.progress) == r.steps  # the plot leaves the thrown-away training out
 
 
 def test_our_runtime_shares_the_planners_code_path_with_the_runtime():

@@ -9,7 +9,8 @@ Note: [simulated time]
     (`fallback_s`) and its steps are run again. An event arriving while a system is still
     recovering is handled once it is done. The partition is exact:
 
-        duration = useful + lost + recovery + fallback + checkpoint writes (+ idle)
+        duration = useful + lost + recovery + fallback + checkpoint writes + idle
+                   (+ the step still under way when the trace ends)
 
     so `effective_fraction` (useful / duration) says where the time went, and samples/s is
     the committed steps times the global batch over the duration.
@@ -60,12 +61,27 @@ class SimJob:
     """Our runtime's checkpoint.interval (steps; 0: none, a fallback restarts from step 0)."""
     checkpoint_write_s: float = 0.0
     """Training stall per checkpoint of our runtime (0: not modelled)."""
+    host_cores: int = 0
+    """0: every worker has a device of its own (a cluster). K > 0: every worker of the job shares
+    one host of K cores (a local CPU job), so a step also takes at least the whole model's
+    forward and backward for every microbatch, spread over the K cores."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_interval_steps < 0:
             raise ConfigError(f"--checkpoint-interval must be >= 0 steps, got {self.checkpoint_interval_steps}")
         if self.checkpoint_write_s < 0:
             raise ConfigError(f"--checkpoint-write must be >= 0 s, got {self.checkpoint_write_s}")
+        if self.host_cores < 0:
+            raise ConfigError(f"--host-cores must be >= 0, got {self.host_cores}")
+
+    def step_seconds(self, iteration_ms: float) -> float:
+        """A step of a layout whose cost-model iteration takes `iteration_ms`, bounded below by
+        the shared host's cores."""
+        seconds = iteration_ms / 1e3
+        if self.host_cores:
+            work_ms = self.global_batch // self.microbatch * sum(layer.compute_ms for layer in self.profile.layers)
+            seconds = max(seconds, work_ms / 1e3 / self.host_cores)
+        return seconds
 
     def plan(self, nodes: int) -> JobPlan:
         """Templates for `nodes` nodes and the first generation: what the runtime plans."""
@@ -75,9 +91,10 @@ class SimJob:
 
 
 def layout_step_model(job: SimJob) -> Callable[[dict], float | None]:
-    """Cost-model seconds of one step of a metrics log's generation record (its pipelines'
-    node counts and microbatches), with the templates the runtime planned for the first
-    generation's node count: what `fit_constants` subtracts to find the step overhead."""
+    """Seconds of one step of a metrics log's generation record (its pipelines' node counts
+    and microbatches) by the cost model (`SimJob.step_seconds`), with the templates the runtime
+    planned for the first generation's node count: what `fit_constants` subtracts to find the
+    step overhead."""
     planned: dict[str, TemplateSet] = {}
 
     def model(record: dict) -> float | None:
@@ -87,7 +104,7 @@ def layout_step_model(job: SimJob) -> Callable[[dict], float | None]:
         pipelines = record.get("pipelines", [])
         if not pipelines or any(len(p["nodes"]) not in by_nodes for p in pipelines):
             return None
-        return max(by_nodes[len(p["nodes"])].iteration_ms_at(p["microbatches"]) for p in pipelines) / 1e3
+        return job.step_seconds(max(by_nodes[len(p["nodes"])].iteration_ms_at(p["microbatches"]) for p in pipelines))
     return model
 
 
@@ -288,7 +305,7 @@ class OobleckModel(_System):
         self._set_step()
 
     def _set_step(self) -> None:
-        self.step_s = None if self.inst is None else self.inst.iteration_ms / 1e3 + self.constants.step_overhead_s
+        self.step_s = None if self.inst is None else self.job.step_seconds(self.inst.iteration_ms) + self.constants.step_overhead_s
 
     def _next(self, alive: list[int], dead: list[int], step: int, checkpoint_step: int) -> tuple[NextLayout | None, float]:
         base = Base(self.generation, self.inst) if self.inst is not None else None
@@ -358,7 +375,7 @@ class _Replanned(_System):
             try:
                 inst = instantiate(self.templates, sorted(self.live), self.job.global_batch, self.job.microbatch,
                                    min_pipelines=1)
-                self._times[key] = inst.iteration_ms / 1e3
+                self._times[key] = self.job.step_seconds(inst.iteration_ms)
             except PlanningError:
                 self._times[key] = None
         seconds = self._times[key]

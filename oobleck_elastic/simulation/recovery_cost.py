@@ -150,13 +150,18 @@ def _step_gaps(records: Sequence[dict], model: StepModel) -> list[float]:
     return gaps
 
 
-def fit_constants(paths: Iterable[str], step_model: StepModel | None = None, source: str = "") -> RecoveryConstants:
-    """Constants from the recovery (and, with `step_model`, step) records of metrics logs."""
+def fit_constants(paths: Iterable[str], step_model: StepModel | Sequence[StepModel | None] | None = None,
+                  source: str = "") -> RecoveryConstants:
+    """Constants from the recovery (and, with `step_model`, step) records of metrics logs;
+    `step_model` is one for every log or a list with one per log (each run's own profile)."""
     paths = list(paths)
+    models = list(step_model) if isinstance(step_model, Sequence) else [step_model] * len(paths)
+    if len(models) != len(paths):
+        raise ValueError(f"{len(models)} step models for {len(paths)} metrics logs")
     phases: dict[str, list[float]] = {name: [] for name in PHASES}
     in_memory = restores = 0
     gaps: list[float] = []
-    for path in paths:
+    for path, model in zip(paths, models):
         records = read_metrics(path)
         for rec in records:
             if rec.get("event") != "recovery" or not rec.get("lost"):
@@ -168,8 +173,8 @@ def fit_constants(paths: Iterable[str], step_model: StepModel | None = None, sou
             for name in PHASES:
                 if name in measured and (name != "restore" or restored):
                     phases[name].append(float(measured[name]))
-        if step_model is not None:
-            gaps += _step_gaps(records, step_model)
+        if model is not None:
+            gaps += _step_gaps(records, model)
     if not in_memory:
         raise ConfigError(f"no recovery record with a lost node in {', '.join(paths)}: run a job with failures "
                           "(e.g. OOBLECK_FAULT=node=1,step=8,phase=backward) and fit its metrics log")
