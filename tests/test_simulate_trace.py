@@ -337,5 +337,5 @@ def test_the_simulator_predicts_a_real_local_job_with_failures(tmp_path):
     assert out.returncode == 0, out.stderr
     (row,) = json.loads(out.stdout)["rows"]
     predicted = row["finished_at_s"]
-    assert row["recoveries"] == 3 and row["fallbacks"] == 1
     assert abs(predicted - measured) <= 0.25 * measured, (predicted, measured)
+    assert row["recoveries"] == 3 and row["fallbacks"] == 1
