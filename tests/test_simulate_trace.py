@@ -5,6 +5,7 @@ prediction of a real local job with failures."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -69,6 +70,14 @@ def test_poisson_trace_is_seeded_and_replaces_nodes_after_the_delay():
     gaps = [b.time_s - a_.time_s for a_, b in zip([TraceEvent(time_s=0, kind="remove")] + removes, removes)]
     assert 462 * 0.85 < sum(gaps) / len(gaps) < 462 * 1.15
     assert sorted(e.time_s for e in adds) == sorted(e.time_s + 300 for e in removes)
+
+
+def test_the_cited_spot_means_have_names():
+    from oobleck_elastic.simulation.trace import trace_from_spec
+
+    for name, mean in (("ec2", 462), ("gcp", 618)):
+        expected = dataclasses.replace(poisson_trace(mean, nodes=4, events=3, seed=0), name=f"poisson:{name}")
+        assert trace_from_spec(f"poisson:{name}", nodes=4, events=3, replace_after_s=0, seed=0) == expected
 
 
 def test_spot_trace_csv_reads_comments_header_and_durations(tmp_path):

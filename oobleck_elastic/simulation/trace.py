@@ -27,7 +27,10 @@ from dataclasses import dataclass, replace
 
 from oobleck_elastic.errors import ConfigError
 
-__all__ = ["TraceEvent", "Trace", "parse_duration", "fixed_trace", "poisson_trace", "load_csv", "trace_from_spec"]
+__all__ = ["SPOT_MEANS", "TraceEvent", "Trace", "parse_duration", "fixed_trace", "poisson_trace", "load_csv", "trace_from_spec"]
+
+SPOT_MEANS = {"ec2": 7.7 * 60, "gcp": 10.3 * 60}
+"""Mean seconds between preemptions of the spot traces the paper cites (`poisson:ec2`)."""
 
 _UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*$")
@@ -169,14 +172,16 @@ def _csv_event(path: str, number: int, cells: list[str]) -> TraceEvent:
 
 def trace_from_spec(spec: str, *, nodes: int, events: int, replace_after_s: float, seed: int,
                     end_nodes: int | None = None) -> Trace:
-    """`fixed:INTERVAL`, `poisson:MEAN` or a CSV file path (the --trace option)."""
+    """`fixed:INTERVAL`, `poisson:MEAN` (`poisson:ec2` and `poisson:gcp`: 7.7 and 10.3 min) or a
+    CSV file path (the --trace option)."""
     kind, sep, arg = spec.partition(":")
     if sep and kind == "fixed":
         trace = fixed_trace(parse_duration(arg, "--trace fixed: interval"), nodes=nodes,
                             end_nodes=end_nodes if end_nodes is not None else max(1, nodes // 2))
         return replace(trace, name=spec)
     if sep and kind == "poisson":
-        trace = poisson_trace(parse_duration(arg, "--trace poisson: mean"), nodes=nodes, events=events,
+        mean = SPOT_MEANS.get(arg.lower()) or parse_duration(arg, "--trace poisson: mean")
+        trace = poisson_trace(mean, nodes=nodes, events=events,
                               replace_after_s=replace_after_s, seed=seed)
         return replace(trace, name=spec)
     if os.path.isfile(spec):
