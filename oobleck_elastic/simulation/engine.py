@@ -404,7 +404,8 @@ class _Restart(_Replanned):
             ledger.pause(self.restart_s)
             ledger.rollback()
         else:  # a planned restart: checkpoint first, lose nothing
-            ledger.checkpoint(self.write_s)
+            if not ledger.free:
+                ledger.checkpoint(self.write_s)
             ledger.pause(self.restart_s)
         self._set_step()
 
