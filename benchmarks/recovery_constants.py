@@ -4,7 +4,8 @@
 
 Runs the GPT example (float64, 40 steps, a checkpoint every 5 steps) on 5 local nodes
 `--runs` times, each with 3 nodes SIGKILLed at different steps and phases (OOBLECK_FAULT; the
-third kill leaves a layer without a replica, so every run also restores a checkpoint), then
+third kill leaves a layer without a replica, so every run also restores a checkpoint; the
+profile is measured first by the script run alone, see `profile_alone`), then
 fits the constants of simulation/recovery_cost.py to the runs' metrics logs (phases from the
 recovery records, the step overhead from the step records against the cost model of each run's
 own profile) and writes them with where they came from. `--refit DIR...` fits run directories
@@ -32,8 +33,23 @@ KILLS = ["node=1,step=8,phase=backward;node=3,step=16,phase=backward;node=4,step
 SETS = ["train.steps=40", "train.dtype=float64", "planner.memory_per_worker=16MB", "checkpoint.interval=5"]
 
 
+def profile_alone(base: str) -> None:
+    """The example's profile, measured by its script run alone for one step and cached in
+    `base`/profiles for every run: measured beside four workers importing torch, as the first
+    worker of a 5-node job does, it comes out 2-4x slow on 2 cores."""
+    sets = ["train.steps=1", "train.dtype=float64", "planner.memory_per_worker=1GB",
+            f"planner.profile_dir={base}/profiles", f"monitoring.metrics_path={base}/alone/metrics.jsonl",
+            f"monitoring.tensorboard_dir={base}/alone/tb", f"checkpoint.dir={base}/alone/checkpoints"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OOBLECK_")}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples/gpt/train.py"), "--config",
+                           os.path.join(ROOT, "examples/gpt/config.yaml"), *(a for s in sets for a in ("--set", s))],
+                          cwd=base, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"profiling alone failed:\n{proc.stderr[-2000:]}")
+
+
 def run_job(work: str, kills: str) -> str:
-    sets = [*SETS, f"planner.profile_dir={work}/profiles", f"monitoring.metrics_path={work}/metrics.jsonl",
+    sets = [*SETS, f"planner.profile_dir={os.path.dirname(work)}/profiles", f"monitoring.metrics_path={work}/metrics.jsonl",
             f"monitoring.tensorboard_dir={work}/tb", f"checkpoint.dir={work}/checkpoints"]
     env = {**os.environ, "OOBLECK_FAULT": kills, "OOBLECK_FAULT_LOG": f"{work}/kills.jsonl"}
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
@@ -54,8 +70,9 @@ def fit(runs: list[str], source: str, out: str) -> None:
     from oobleck_elastic.simulation.engine import layout_step_model
 
     models = []
-    for run in runs:  # each run's steps against the cost model of its own profile
-        profile = ModelProfile.load(glob.glob(os.path.join(run, "profiles/*.json"))[0])
+    for run in runs:  # each run's steps against the cost model of the profile it planned with
+        found = glob.glob(os.path.join(run, "profiles/*.json")) or glob.glob(os.path.join(run, "../profiles/*.json"))
+        profile = ModelProfile.load(found[0])
         cluster = make_cluster(PlannerConfig(memory_per_worker="16MB"), profile, 1)
         models.append(layout_step_model(SimJob(profile=profile, cluster=cluster, fault_tolerance=1,
                                                global_batch=64, microbatch=4)))
@@ -81,6 +98,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = args.keep or tmp
         runs, load = [], []
+        os.makedirs(base, exist_ok=True)
+        profile_alone(base)
         for k in range(args.runs):
             runs.append(os.path.join(base, f"run{k}"))
             os.makedirs(runs[-1], exist_ok=True)
