@@ -3,6 +3,7 @@
 User-facing entry points:
     python -m oobleck_elastic.launch   torchrun's flags plus --oobleck-*, the oobleck agent
     python -m oobleck_elastic.plan     dry-run the planner
+    python -m oobleck_elastic.simulate replay a failure trace at any scale, beside the baselines
     python -m oobleck_elastic.train    train the job's model (model.hf / model.factory) on its data
     python -m oobleck_elastic.export   the latest checkpoint in the model's own format
     python -m oobleck_elastic.data.prepare   tokenize text into a token file

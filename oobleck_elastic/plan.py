@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from oobleck_elastic.config import PlannerConfig, load_config, parse_bytes
 from oobleck_elastic.errors import ConfigError, OobleckError
 from oobleck_elastic.planning import (
+    Cluster,
     ModelProfile,
     plan_template,
     reconfigure,
@@ -24,33 +25,45 @@ from oobleck_elastic.planning import (
     to_jsonable,
 )
 from oobleck_elastic.planning.job import make_cluster, plan_job
+from oobleck_elastic.planning.profile import GPT3_SIZES
 from oobleck_elastic.planning.report import instantiation_table, reconfiguration_text, templates_table
 from oobleck_elastic.planning.templates import nominal_microbatches
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "add_job_arguments", "job_inputs"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m oobleck_elastic.plan", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
+def add_job_arguments(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """The planner's options (model, nodes, batch, memory, bandwidths), shared by the dry-run
+    and the simulator CLIs; `required=False` lets a caller fill them in (a scenario)."""
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--profile", metavar="FILE", help="profile file written by the profiler")
-    src.add_argument("--synthetic", metavar="gpt:LAYERS", help="a synthetic GPT-like profile")
-    p.add_argument("--nnodes", type=int, required=True, help="nodes of the job (N)")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (G)")
-    p.add_argument("--fault-tolerance", type=int, default=1, help="f: node failures to survive")
-    p.add_argument("--global-batch", type=int, required=True, help="global batch size in samples (B)")
-    p.add_argument("--microbatch", type=int, required=True, help="microbatch size in samples (b)")
+    src.add_argument("--synthetic", metavar="gpt:LAYERS", help="a synthetic GPT-like profile (gpt: the layers of "
+                     "--model-size)")
+    p.add_argument("--model-size", metavar="SIZE", help=f"a GPT-3 size for --synthetic: {', '.join(GPT3_SIZES)} "
+                   "(hidden size and blocks; default: hidden 4096)")
+    p.add_argument("--tflops", type=float, default=None, metavar="T",
+                   help="sustained TFLOPS per worker for --synthetic (default 100)")
+    p.add_argument("--nnodes", type=int, required=required, help="nodes of the job (N)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="workers per node (G, default 1)")
+    p.add_argument("--fault-tolerance", type=int, default=None, help="f: node failures to survive (default 1)")
+    p.add_argument("--global-batch", type=int, required=required, help="global batch size in samples (B)")
+    p.add_argument("--microbatch", type=int, required=required, help="microbatch size in samples (b)")
     p.add_argument("--memory-per-worker", help="per-worker memory budget, e.g. 16GiB "
                    "(default: planner.memory_per_worker, else the profiled device's memory)")
     p.add_argument("--wide", action="store_true", help="allow stages spanning several workers of a node")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="stages per worker for the Interleaved1F1B schedule (default 1: one stage per worker)")
+    p.add_argument("--config", metavar="FILE", help="job YAML: the planner section sets bandwidths")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m oobleck_elastic.plan", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_job_arguments(p)
     p.add_argument("--fail", metavar="ID,...", help="node ids to fail (0..N-1)")
     p.add_argument("--join", type=int, default=0, metavar="K", help="nodes joining (ids N..N+K-1)")
     p.add_argument("--evaluate", metavar="SPLIT", help='estimate a stage split such as "0-4,4-9,9-12"')
-    p.add_argument("--config", metavar="FILE", help="job YAML: the planner section sets bandwidths")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -64,11 +77,44 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 def _profile(args: argparse.Namespace) -> ModelProfile:
     if args.profile:
+        if args.model_size or args.tflops is not None:
+            raise ConfigError("--model-size and --tflops describe a --synthetic model; a --profile has its own")
         return ModelProfile.load(args.profile)
     kind, _, count = args.synthetic.partition(":")
-    if kind != "gpt" or not count.isdigit():
-        raise ConfigError(f"--synthetic expects gpt:LAYERS (e.g. gpt:24), got {args.synthetic!r}")
-    return synthetic_gpt(int(count), microbatch_size=args.microbatch)
+    if kind != "gpt" or not (count.isdigit() or (not count and args.model_size)):
+        raise ConfigError(f"--synthetic expects gpt:LAYERS (e.g. gpt:24), or gpt with --model-size, "
+                          f"got {args.synthetic!r}")
+    shape = {}
+    if args.model_size:
+        if args.model_size not in GPT3_SIZES:
+            raise ConfigError(f"unknown --model-size {args.model_size!r}; known sizes: {', '.join(GPT3_SIZES)}")
+        blocks, hidden = GPT3_SIZES[args.model_size]
+        shape = {"hidden": hidden}
+        count = count or str(blocks + 2)
+    if args.tflops is not None:
+        if not args.tflops > 0:
+            raise ConfigError(f"--tflops must be > 0, got {args.tflops}")
+        shape["tflops"] = args.tflops
+    return synthetic_gpt(int(count), microbatch_size=args.microbatch, **shape)
+
+
+def job_inputs(args: argparse.Namespace) -> tuple[PlannerConfig, ModelProfile, Cluster]:
+    """The planner settings, profile and cluster the job options describe (checked first)."""
+    args.nproc_per_node = 1 if args.nproc_per_node is None else args.nproc_per_node
+    args.fault_tolerance = 1 if args.fault_tolerance is None else args.fault_tolerance
+    _positive(args, "nnodes", "nproc_per_node", "global_batch", "microbatch", "virtual_stages")
+    if args.wide and args.virtual_stages > 1:
+        raise ConfigError("--wide and --virtual-stages > 1 cannot be combined: interleaved stages run "
+                          "one per worker")
+    if args.fault_tolerance < 0:
+        raise ConfigError(f"--fault-tolerance must be >= 0, got {args.fault_tolerance}")
+    if args.global_batch % args.microbatch:
+        raise ConfigError(f"--global-batch ({args.global_batch}) must be a multiple of --microbatch "
+                          f"({args.microbatch})")
+    planner = load_config(args.config, args.set).planner if (args.config or args.set) else PlannerConfig()
+    profile = _profile(args)
+    memory = parse_bytes(args.memory_per_worker, "--memory-per-worker") if args.memory_per_worker else None
+    return planner, profile, make_cluster(planner, profile, args.nproc_per_node, memory)
 
 
 def _parse_split(text: str, num_layers: int) -> list[int]:
@@ -107,19 +153,7 @@ def _evaluate(args, profile, cluster, total) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    _positive(args, "nnodes", "nproc_per_node", "global_batch", "microbatch", "virtual_stages")
-    if args.wide and args.virtual_stages > 1:
-        raise ConfigError("--wide and --virtual-stages > 1 cannot be combined: interleaved stages run "
-                          "one per worker")
-    if args.fault_tolerance < 0:
-        raise ConfigError(f"--fault-tolerance must be >= 0, got {args.fault_tolerance}")
-    if args.global_batch % args.microbatch:
-        raise ConfigError(f"--global-batch ({args.global_batch}) must be a multiple of --microbatch "
-                          f"({args.microbatch})")
-    planner = load_config(args.config, args.set).planner if (args.config or args.set) else PlannerConfig()
-    profile = _profile(args)
-    memory = parse_bytes(args.memory_per_worker, "--memory-per-worker") if args.memory_per_worker else None
-    cluster = make_cluster(planner, profile, args.nproc_per_node, memory)
+    planner, profile, cluster = job_inputs(args)
     nodes = list(range(args.nnodes))
     job = plan_job(profile, cluster, nodes=nodes, fault_tolerance=args.fault_tolerance,
                    global_batch=args.global_batch, microbatch_size=args.microbatch,

@@ -22,6 +22,7 @@ ALLOWED = {
     "elastic": {"config", "planning", "monitoring", "runtime", "testing"},
     "testing": {"config"},
     "launcher": {"config", "planning", "monitoring", "runtime", "elastic", "testing"},
+    "simulation": {"config", "planning"},
 }
 
 
@@ -46,6 +47,12 @@ def test_layer_imports_only_lower_layers(layer):
 
 def test_planning_never_imports_torch():
     for path in (PACKAGE / "planning").rglob("*.py"):
+        assert not any(n == "torch" or n.startswith("torch.") for n in imports_of(path)), path.name
+
+
+def test_simulation_never_imports_torch():
+    """The trace simulator runs on the planner alone: sizing a job needs no torch."""
+    for path in (PACKAGE / "simulation").rglob("*.py"):
         assert not any(n == "torch" or n.startswith("torch.") for n in imports_of(path)), path.name
 
 

@@ -26,10 +26,15 @@ from dataclasses import dataclass
 from oobleck_elastic.errors import ProfileError
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
 
-__all__ = ["LayerProfile", "ModelProfile", "synthetic_gpt", "PROFILE_FORMAT"]
+__all__ = ["LayerProfile", "ModelProfile", "synthetic_gpt", "PROFILE_FORMAT", "GPT3_SIZES"]
 
 PROFILE_FORMAT = 2
 """2: layers carry optimizer_ms and compute_copy_bytes (format-1 caches are profiled again)."""
+
+GPT3_SIZES = {"125M": (12, 768), "350M": (24, 1024), "760M": (24, 1536), "1.3B": (24, 2048),
+              "2.7B": (32, 2560), "6.7B": (32, 4096), "13B": (40, 5140), "175B": (96, 12288)}
+"""(transformer blocks, hidden size) of the GPT-3 family (Brown et al., 2020, Table 2.1), for
+`synthetic_gpt(blocks + 2, hidden=...)`."""
 
 
 @dataclass(frozen=True, kw_only=True)
