@@ -164,6 +164,25 @@ def transfers_between(ts, before: GenerationPlan, after: GenerationPlan):
     return plan_transfers(ts, before.instantiation, after.instantiation, gone)
 
 
+def spawn_ranks(target, world: int, *args, timeout: float = 120.0) -> list[tuple]:
+    """Runs `target(rank, *args, queue)` in `world` spawned processes and returns what each put
+    on the queue (one tuple each, its rank first), in arrival order; the processes are joined,
+    or killed, whatever happens."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, *args, queue)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return [queue.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 def _context():
     # A fork server that has imported torch once makes each worker start in milliseconds
     # instead of paying the multi-second torch import per process; unlike plain fork it never

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from etcd_server import etcd_server
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import StoreTimeout, StoreUnreachable, connect_store
+from runtime_harness import spawn_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +81,7 @@ def test_unreachable_etcd_is_a_clear_error():
         connect_store(f"etcd://127.0.0.1:{port}", "nobody", timeout=1.0)
 
 
-def _generations(port: int, rank: int, world: int, queue) -> None:
+def _generations(rank: int, port: int, world: int, queue) -> None:
     store = connect_store(f"etcd://127.0.0.1:{port}", "groups", timeout=60)
     sums = []
     for generation in range(3):
@@ -94,19 +95,8 @@ def _generations(port: int, rank: int, world: int, queue) -> None:
 
 
 def test_process_groups_bootstrap_through_etcd_for_several_generations(etcd_port):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     world = 3
-    procs = [ctx.Process(target=_generations, args=(etcd_port, r, world, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = dict(spawn_ranks(_generations, world, etcd_port, world, timeout=180))
     expected = [sum(r + g for r in range(world)) for g in range(3)]
     assert all(results[r] == expected for r in range(world)), results
 

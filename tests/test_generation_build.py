@@ -7,7 +7,6 @@ generation Note: [group names]: the 30-minute chaos run found two survivors timi
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.trainer import Trainer
-from runtime_harness import Phase, free_port, job_config, model_and_data, plans_for
+from runtime_harness import Phase, free_port, job_config, model_and_data, plans_for, spawn_ranks
 
 
 def test_a_build_that_fails_while_making_groups_leaves_no_default_group(monkeypatch):
@@ -73,18 +72,5 @@ def _build_after_a_failed_rendezvous(rank: int, port: int, queue) -> None:
 
 
 def test_a_rendezvous_that_timed_out_on_one_worker_leaves_the_next_generation_buildable():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_build_after_a_failed_rendezvous, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = dict(spawn_ranks(_build_after_a_failed_rendezvous, 2, free_port()))
     assert results == {0: 0, 1: 0}, results  # both trained step 0 in generation 1

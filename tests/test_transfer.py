@@ -6,8 +6,6 @@ first step makes (runtime/layers.py Note: [priming on meta])."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from oobleck_elastic.config import load_config
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime import transfer
 from oobleck_elastic.runtime.layers import LayerState, LayerStore
+from runtime_harness import free_port, spawn_ranks
 
 # d_model 256: a block's weights (256 x 768 ...) go as messages of their own, its norms and
 # biases through a flat buffer; the embedding (vocab 64) is all small tensors.
@@ -60,22 +59,7 @@ def _transfer_worker(rank: int, port: int, queue) -> None:
 
 
 def test_layers_arrive_bit_identical_with_large_tensors_in_place_and_small_ones_flattened():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_transfer_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict((r[0], r[1:]) for r in (queue.get(timeout=120) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = {r[0]: r[1:] for r in spawn_ranks(_transfer_worker, 2, free_port())}
     assert all(len(r) == 4 for r in results.values()), results
     (sent, direct, _, numel), (received, direct_here, equal, _) = results[0], results[1]
     assert equal, "a received replica differs from its source"
