@@ -380,12 +380,12 @@ class Run:
         need = self.templates.min_nodes
         self.log.warning("only %d node(s) left and the smallest pipeline needs %d: waiting up to %.0f s for "
                          "nodes to join (elastic.join_timeout_s)", len(alive), need, self.cfg.elastic.join_timeout_s)
-        members = set(old.instantiation.nodes) | set(alive)
 
         def enough() -> list[int] | None:
             if self.protocol.try_record(old.generation + 1) is not None:
                 return []  # another survivor moved on first: its record wins, and this worker adopts it
-            ready = self.protocol.ready_joiners(members, self.max_nodes)
+            # room up to --nnodes' maximum counts the survivors only (the lost members are marked dead)
+            ready = self.protocol.ready_joiners(alive, self.max_nodes)
             return ready if len(alive) + len(ready) >= need else None
         try:
             return self.protocol.wait(f"{need - len(alive)} more node(s) to join", enough,
