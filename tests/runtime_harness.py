@@ -128,7 +128,9 @@ def _worker(node: int, nodes: int, port: int, phases, overrides, outdir: str, mo
                 for _ in range(phase.steps):
                     s = trainer.step()
                     records.append({"step": s.step, "loss": s.loss, "samples": s.samples,
-                                    "generation": plan.generation, "consumed": list(s.consumed)})
+                                    "generation": plan.generation, "consumed": list(s.consumed),
+                                    "replica_sets": len(trainer.generation.grad_groups),
+                                    "overlapped": trainer.generation.overlapped})
             else:
                 trainer.leave()
             previous = plan

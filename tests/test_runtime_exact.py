@@ -22,6 +22,14 @@ def assert_same_weights(results, expected, rtol=1e-10):
     assert seen == set(expected), "every layer is held somewhere"
 
 
+def assert_all_reduces_overlapped(results):
+    """Every replica set's all-reduce was issued during the schedule, once the last backward
+    had run on the stages holding it (runtime.generation Note: [gradient overlap])."""
+    records = [r for res in results.values() for r in res["records"]]
+    assert records and all(r["replica_sets"] > 0 for r in records)
+    assert [r for r in records if r["overlapped"] != r["replica_sets"]] == []
+
+
 def test_two_heterogeneous_pipelines_match_reference(tmp_path):
     results = run_job([Phase(pipelines=((0, 1), (2, 3, 4)), steps=4)], tmp_path)
     assert_same_weights(results, reference(4))
@@ -29,6 +37,7 @@ def test_two_heterogeneous_pipelines_match_reference(tmp_path):
     for step in range(4):
         consumed = [i for r in records if r["step"] == step for i in r["consumed"]]
         assert len(consumed) == 24 and len(set(consumed)) == 24, "each sample exactly once"
+    assert_all_reduces_overlapped(results)
 
 
 def test_three_pipelines_including_a_single_stage_one(tmp_path):
@@ -65,6 +74,7 @@ def test_gradient_clipping_and_gpipe_match_reference(tmp_path):
     results = run_job([Phase(pipelines=((0, 1), (2, 3, 4)), steps=3)], tmp_path, overrides)
     clipped = reference(3, overrides)
     assert_same_weights(results, clipped)
+    assert_all_reduces_overlapped(results)
     # the clip was active: without it the weights differ by far more than the tolerance
     unclipped = reference(3, [o for o in overrides if "grad_clip" not in o])
     diff = max((clipped[i][k] - unclipped[i][k]).abs().max().item() for i in clipped for k in clipped[i])
@@ -81,6 +91,7 @@ def test_interleaved_schedule_matches_reference(tmp_path):
     assert_same_weights(results, reference(4, overrides))
     held = {n: sorted(res["state"]) for n, res in results.items()}
     assert held[2] == [0, 3] and held[0] == list(range(6)), held  # stages 0 and 3 of 6 on the first worker
+    assert_all_reduces_overlapped(results)
     for step in range(4):
         consumed = [i for res in results.values() for r in res["records"] if r["step"] == step for i in r["consumed"]]
         assert sorted(consumed) == sorted(set(consumed)) and len(consumed) == 24

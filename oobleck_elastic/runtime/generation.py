@@ -73,8 +73,33 @@ def _count_group_names_from_zero() -> None:
         dist.distributed_c10d._world.group_count = 0
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage that calls `on_last_backward(stage_index)` once the schedule's last
+    backward of a step has run on it: its parameters' gradients are then final for the step."""
+
+    on_last_backward = None
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        if last_backward and backward_type in ("full", "weight") and self.on_last_backward is not None:
+            self.on_last_backward(self.stage_index)
+        return result
+
+
 class Generation:
-    """Process groups, pipeline stage, schedule and gradient groups of one generation."""
+    """Process groups, pipeline stage, schedule and gradient groups of one generation.
+
+    Note: [gradient overlap]
+        A layer's gradient is final once the last backward of the step has run on the stage
+        that holds it, while the pipeline still drains behind it: under 1F1B the last stage
+        finishes first and stage 0 last, a whole ramp of backward microbatches later. Each
+        replica set's all-reduce is issued (asynchronously) from that moment, not after the
+        schedule, so it runs beside the rest of the drain; sync_gradients() waits for them.
+        Every replica set has a group of its own and one all-reduce per step, so the order of
+        issue across groups cannot deadlock. The in-flight Work objects belong to the
+        generation (`_in_flight`): close() drops them with the groups (Note: [generation
+        lifetime]).
+    """
 
     def __init__(self, plan: GenerationPlan, me: WorkerRef, store: dist.Store, layers: LayerStore,
                  *, loss_fn, schedule: str, timeout: timedelta, fault=_no_fault) -> None:
@@ -89,6 +114,13 @@ class Generation:
         self.stages: list[PipelineStage] = []
         self.stage_modules: list[StageModule] = []
         self.schedule = None
+        self._in_flight: dict[int, tuple] = {}
+        """Replica-set index -> (Work, flat gradients, the gradients) issued this step."""
+        self._awaiting: dict[int, set[int]] = {}
+        """Replica-set index -> the local stages whose last backward it still waits for."""
+        self._groups_of_stage: dict[int, list[int]] = {}
+        self.overlapped = 0
+        """Replica sets of the last step whose all-reduce was issued during the schedule."""
         self._loss_fn = loss_fn
         self._schedule_name = schedule
         self._fault = fault
@@ -172,9 +204,14 @@ class Generation:
         def shapes(layers: tuple[int, int]) -> dict[str, torch.Tensor]:
             return {} if boundaries is None else {"input_args": boundaries[layers[0]],
                                                   "output_args": boundaries[layers[1]]}
-        self.stages = [PipelineStage(module, k, role.num_stages, self.layers.device, group=self.pipeline_group,
-                                     **shapes(layers))
+        self.stages = [_Stage(module, k, role.num_stages, self.layers.device, group=self.pipeline_group,
+                              **shapes(layers))
                        for module, k, layers in zip(self.stage_modules, role.stages, role.stage_layers)]
+        for stage in self.stages:
+            stage.on_last_backward = self._stage_done
+        self._groups_of_stage = {
+            k: [j for j, (_, layer_ids) in enumerate(self.grad_groups) if set(layer_ids) & set(range(*layers))]
+            for k, layers in zip(role.stages, role.stage_layers)}
         kind = SCHEDULES[self._schedule_name]
         if self._schedule_name in MULTI_STAGE:
             for stage in self.stages:
@@ -206,6 +243,9 @@ class Generation:
         if self.role is None:  # a spare: no stage, no schedule
             return 0.0, 0
         self.layers.refresh_compute(self.held_layers())
+        self._in_flight.clear()
+        self._awaiting = {j: {k for k, groups in self._groups_of_stage.items() if j in groups}
+                          for j in range(len(self.grad_groups))}
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.role.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.role.is_last else {}
@@ -214,22 +254,48 @@ class Generation:
             return 0.0, 0
         return float(sum(loss.detach().double() for loss in losses)), int(targets.shape[0])
 
+    def _stage_done(self, stage_index: int) -> None:
+        """The last backward of the step ran on local stage `stage_index`: issue the all-reduce
+        of every replica set that waited only for it (Note: [gradient overlap])."""
+        for j in self._groups_of_stage.get(stage_index, ()):
+            waiting = self._awaiting.get(j)
+            if waiting is None:
+                continue
+            waiting.discard(stage_index)
+            if not waiting:
+                self._issue(j)
+
+    def _issue(self, j: int) -> None:
+        if j in self._in_flight:
+            return
+        group, layer_ids = self.grad_groups[j]
+        grads = [g for i in layer_ids for g in self.layers[i].grads(exclude=self._tied.get(i, ()))]
+        if grads:
+            flat = flatten(grads)
+            self._in_flight[j] = (dist.all_reduce(flat, group=group, async_op=True), flat, grads)
+        else:
+            self._in_flight[j] = (None, None, grads)
+
     def sync_gradients(self) -> None:
-        """Sums each layer's gradient over its replicas (one flat all-reduce per replica set) and
-        each tied parameter's over every copy on every replica (one all-reduce per tie)."""
+        """Sums each layer's gradient over its replicas (one flat all-reduce per replica set,
+        most already issued during the schedule's drain: Note: [gradient overlap]) and each
+        tied parameter's over every copy on every replica (one all-reduce per tie)."""
         self._fault("grad_sync")
-        pending, tied = [], []
-        for group, layer_ids in self.grad_groups:
-            grads = [g for i in layer_ids for g in self.layers[i].grads(exclude=self._tied.get(i, ()))]
-            if grads:
-                flat = flatten(grads)
-                pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, grads))
+        tied = []
+        self.overlapped = len(self._in_flight)
+        for j in range(len(self.grad_groups)):
+            self._issue(j)  # a replica set whose stages' last backward was not seen (none on spares)
+        pending = [self._in_flight[j] for j in sorted(self._in_flight)]
+        self._in_flight.clear()
+        self._awaiting = {}
         for group, copies in self.tie_groups:
             grads = [self.layers[layer].grad_of(name) for layer, name in copies]
             total = torch.stack(grads).sum(dim=0)
             tied.append((dist.all_reduce(total, group=group, async_op=True) if group is not None else None,
                          total, grads))
         for work, flat, grads in pending:
+            if work is None:
+                continue
             work.wait()
             for g, synced in zip(grads, unflatten(flat, grads)):
                 g.copy_(synced)
@@ -266,6 +332,9 @@ class Generation:
         self.schedule = None
         self.stages = []
         self.stage_modules = []
+        self._in_flight = {}
+        self._awaiting = {}
+        self._groups_of_stage = {}
         self.pipeline_group = None
         self.grad_groups = []
         self.tie_groups = []
