@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from jobs import SCRIPT, job_args
-from oobleck_elastic.launcher.chaos import ChaosConfig, Injection, chaos_report
+from oobleck_elastic.launcher.chaos import ChaosConfig, ChaosSchedule, Injection, chaos_report
 
 
 def test_the_report_counts_failures_recoveries_lost_time_and_redone_steps(tmp_path):
@@ -39,6 +39,43 @@ def test_a_schedule_that_cannot_fail_a_node_is_refused():
         ChaosConfig(nodes=2)
     with pytest.raises(ValueError, match="one non-negative number per kind"):
         ChaosConfig(weights=(1.0, 1.0))
+
+
+class _Nodes:
+    """The part of LocalNodes a schedule drives: which nodes run, and starting one more."""
+
+    def __init__(self, n: int) -> None:
+        self.alive = list(range(n))
+        self.started = 0
+        self.protocol = self
+
+    def progress(self):
+        return {"step": 7}
+
+    def running(self):
+        return list(self.alive)
+
+    def start(self):
+        self.started += 1
+        self.alive.append(100 + self.started)
+
+
+def test_a_node_that_leaves_on_its_own_is_replaced_too(monkeypatch):
+    # a live node taken for dead on a loaded machine fences itself and exits: no injection
+    # counted it, but the job must keep its size or the schedule runs out of nodes to fail
+    clock = [1000.0]
+    monkeypatch.setattr("oobleck_elastic.launcher.chaos.time.monotonic", lambda: clock[0])
+    schedule = ChaosSchedule(ChaosConfig(nodes=4, mean_interval_s=1e9, replace_after_s=1.0))
+    nodes = _Nodes(4)
+    schedule(nodes)
+    assert nodes.started == 0
+    nodes.alive.remove(2)
+    schedule(nodes)
+    assert nodes.started == 0, "replaced after replace_after_s, as an injected loss is"
+    clock[0] += 1.5
+    schedule(nodes)
+    schedule(nodes)
+    assert nodes.started == 1 and len(nodes.alive) == 4
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ hit), each on members of the current generation:
     kill_two          two nodes SIGKILLed within a second (more than f = 1 may be lost at once:
                       the checkpoint fallback where no replica is left)
     hang              one node SIGSTOPped past its lease, then woken: it must fence itself
-A replacement node is started after each loss, so the job keeps its size and joins are
-exercised too. The schedule never leaves fewer than `min_alive` members.
+A replacement node is started after each loss, injected or not (a node fenced after being
+taken for dead leaves on its own), so the job keeps its size and joins are exercised too. The schedule never leaves fewer than `min_alive` members.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ class ChaosSchedule:
                 self.killed.discard(k)
             else:
                 self._fail(local, kind, [k], progress["step"], follow_up=True)
+        # a node that left on its own (fenced after being taken for dead on a loaded machine, or
+        # a run-time error) is replaced too, or the job shrinks until nothing can be injected
+        alive = len([k for k in local.running() if k not in self.killed])
+        self.lost_at += [now] * max(0, self.cfg.nodes - alive - len(self.lost_at))
         while self.lost_at and now - self.lost_at[0] >= self.cfg.replace_after_s:
             self.lost_at.pop(0)
             local.start()
