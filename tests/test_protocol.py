@@ -222,6 +222,18 @@ def test_the_roll_call_ends_at_its_timeout_and_marks_the_absent_dead(store, cloc
     assert 5.0 < clock.now < 5.1 and store.try_get_json("nodes/1/dead") is not None
 
 
+def test_a_node_marked_dead_by_another_roll_call_is_dead_even_if_it_answers(store, clock):
+    # survivor A's roll call took node 2 for dead (late on a loaded machine) while survivor B's
+    # saw it and won the proposal: every build with node 2 aborts on its mark, so the next roll
+    # call must leave it out, or the survivors replay the generation until they give up
+    p = protocol(store, clock)
+    p.mark_dead(2, "missed the roll call of generation 4")
+    for node in (1, 2):
+        store.set_json(f"rollcall/5/{node}/0", True)
+    assert p.roll_call(5, (0, 0), [0, 1, 2], 1, timeout=60.0, suspect_after=0.5) == ([0, 1], [2])
+    assert clock.now < 0.1
+
+
 def test_a_build_waits_for_every_member_and_fails_when_one_dies_or_time_runs_out(store, clock):
     p = protocol(store, clock)
     clock.at(1.0, lambda: store.add("gen1/built", 1))

@@ -299,13 +299,18 @@ class Protocol:
         """Checks in and waits for the roll call (Note: [roll call]); returns (alive, dead) nodes.
         A failure is known here, so a member that has not checked in is dead as soon as its
         lease has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease
-        timeout. The dead are marked so (a node that joined once and died is never admitted)."""
+        timeout. The dead are marked so (a node that joined once and died is never admitted),
+        and a node marked dead is dead here even if it answers (its workers fence themselves)."""
         self.store.set_json(f"rollcall/{generation}/started", True)
         self.store.set_json(f"rollcall/{generation}/{me[0]}/{me[1]}", True)
         deadline = self.clock() + timeout
         while True:
             present = {n for n in members if all(self.store.try_get_json(f"rollcall/{generation}/{n}/{w}")
                                                  for w in range(workers_per_node))}
+            # a death mark is final, even on a node that answers: another survivor's roll call
+            # took it for dead (late on a loaded machine) and every build with it would abort
+            # (the chaos run found survivors replaying such a generation until they gave up)
+            present -= {n for n in present if self.store.try_get_json(f"nodes/{n}/dead") is not None}
             dead = self.dead(set(members) - present, timeout=suspect_after)
             if present | dead == set(members) or self.clock() > deadline:
                 absent = sorted(set(members) - present)
