@@ -257,7 +257,7 @@ def test_paper_table2_reproduces_the_ordering_and_the_collapse(tmp_path, capsys)
 def test_the_table_names_the_constants_and_the_paper_beside_ours(tmp_path, capsys):
     assert main(["--scenario", "paper-table2", "--plot", "", "--systems", "oobleck,restart"]) == 0
     out = capsys.readouterr().out
-    assert "recovery constants: detect" in out and "source:" in out and "restart_s=300" in out
+    assert "recovery constants: detect" in out and "source:" in out and "restart_s=701" in out
     assert "paper samples/s" in out and "Where and why ours differs" in out
 
 

@@ -387,9 +387,10 @@ class _Restart(_Replanned):
     restarts_on_add = True
 
     def __init__(self, job: SimJob, templates: TemplateSet, nodes: int, times: dict, restart_s: float,
-                 interval_s: float, write_s: float, rollback_on_join: bool) -> None:
+                 cfg, rollback_on_join: bool) -> None:
         super().__init__(job, templates, nodes, times)
-        self.restart_s, self.every_s, self.write_s = restart_s, interval_s, write_s
+        self.restart_s, self.write_s = restart_s, cfg.checkpoint_write_s
+        self.every_steps, self.every_s = cfg.checkpoint_interval_steps, cfg.checkpoint_interval_s
         self.rollback_on_join = rollback_on_join
 
     def remove(self, node: int, ledger: _Ledger) -> None:
@@ -416,7 +417,8 @@ class _Redundant(_Replanned):
 
     def __init__(self, job: SimJob, templates: TemplateSet, nodes: int, times: dict, cfg) -> None:
         super().__init__(job, templates, nodes, times, slowdown=cfg.slowdown)
-        self.cfg, self.every_s, self.write_s = cfg, cfg.checkpoint_interval_s, cfg.checkpoint_write_s
+        self.cfg, self.write_s = cfg, cfg.checkpoint_write_s
+        self.every_steps, self.every_s = cfg.checkpoint_interval_steps, cfg.checkpoint_interval_s
         self.protected_at = 0.0
 
     def remove(self, node: int, ledger: _Ledger) -> None:
@@ -505,12 +507,11 @@ def _systems(job: SimJob, plan: JobPlan, nodes: int, constants: RecoveryConstant
             out.append(OobleckModel(job, plan, constants, nodes, layouts, cache))
         elif name == "restart":
             b = baselines.restart
-            out.append(_Restart(job, plan.templates, nodes, times, b.restart_s, b.checkpoint_interval_s, b.checkpoint_write_s,
-                                rollback_on_join=False))
+            out.append(_Restart(job, plan.templates, nodes, times, b.restart_s, b, rollback_on_join=False))
         elif name == "torchrun":
             b = baselines.torchrun
-            system = _Restart(job, plan.templates, nodes, times, b.restart_s + b.checkpoint_read_s, b.checkpoint_interval_s,
-                              b.checkpoint_write_s, rollback_on_join=True)
+            system = _Restart(job, plan.templates, nodes, times, b.restart_s + b.checkpoint_read_s, b,
+                              rollback_on_join=True)
             system.name = "torchrun"
             out.append(system)
         elif name == "redundant":

@@ -22,19 +22,20 @@ one node removed every 6 h, 1 h, 10 min from 30 down to 15 nodes."""
 PAPER_EXPLANATION = """\
 Where and why ours differs from the paper:
 - Absolute samples/s: the simulated step is the cost model's 1F1B time of a synthetic GPT-3
-  6.7B at the assumed sustained TFLOPS per GPU, plus the fitted step overhead. It leaves out
-  the gradient all-reduce across pipelines, the optimizer step and the framework overheads
-  of a real GPU cluster; the paper's 4.33 samples/s on 30 GPUs is ~12 TFLOPS per GPU. The
-  ratio column is therefore mostly this scale factor, not a property of recovery.
+  6.7B at the assumed sustained TFLOPS per GPU, plus the gradient all-reduce across the
+  pipelines (ring, at the assumed bandwidth) and the fitted step overhead. It leaves out the
+  optimizer step and the framework overheads of a real GPU cluster; the paper's 4.33
+  samples/s on 30 GPUs is ~12 TFLOPS per GPU. The ratio column is therefore mostly this
+  scale factor, not a property of recovery; compare the last column with the paper's own
+  ratios (Varuna / Oobleck: 0.93, 0.69 and 0.03 at 6 h, 1 h and 10 min).
 - Our in-memory recovery costs well under a second with the constants fitted to this
   project's local runs; on a GPU cluster, recreating NCCL communicators on hundreds of
   workers and moving multi-GB layer states take longer, which is why the paper's Oobleck
   loses ~18% from 6 h to 10 min intervals and the simulation loses less.
-- The restart baseline's constants (restart time, checkpoint interval and write time) are
-  assumed, not Varuna's published ones: its collapse at 10 min intervals is the mechanism
-  (failures come faster than a checkpoint is written, so every restart rolls back to the
-  same old checkpoint) more than the exact figure. At 1 h, how much it keeps depends on
-  the checkpoint interval relative to the failure interval.
+- The restart baseline's constants are those the paper's own simulator uses for Varuna on
+  GPT-3 6.7B (a 701 s restart; a 120 s checkpoint every 10 of the paper's 255 s steps:
+  simulation/baselines.py Note: [baseline constants]). A restart longer than the 10 min
+  interval between failures leaves almost no training: the collapse.
 - The failure-free reference is the same shrinking cluster with changes that cost nothing,
   so the fraction shows what the changes cost, not the capacity lost with the nodes."""
 
