@@ -195,6 +195,8 @@ class Run:
         g = record.generation
         if self.me.node not in record.nodes:
             raise Fenced(f"node {self.me.node} fenced: not a member of generation {g} ({record.cause})")
+        # only this generation and its base are ever read again; _record fetches any other
+        self.records = {k: v for k, v in self.records.items() if k == record.base}
         self.records[g] = record
         restore_from = None
         if record.restored_from is not None:  # step 0: the initial state, built afresh

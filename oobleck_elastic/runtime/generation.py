@@ -10,6 +10,8 @@ Note: [generation lifetime]
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 from datetime import timedelta
@@ -35,6 +37,27 @@ MULTI_STAGE = {"Interleaved1F1B"}
 def _no_fault(phase: str) -> None:
     return None
 
+
+
+def _return_freed_memory() -> None:
+    """Hands the heap freed by a torn-down generation back to the OS (glibc's malloc_trim).
+    Without it, the gloo buffers and stage tensors of each generation leave the heap
+    fragmented and resident memory creeps up by ~0.5 MB per recovery (tests/test_leaks.py).
+    A no-op where the C library is not glibc."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _glibc()
 
 class StageModule(nn.Module):
     """The layers of one stage applied in order (modules owned by the LayerStore). `fault` is
@@ -344,3 +367,4 @@ class Generation:
                 dist.destroy_process_group()
         finally:
             gc.collect()
+            _return_freed_memory()
