@@ -38,7 +38,6 @@ def _no_fault(phase: str) -> None:
     return None
 
 
-
 def _return_freed_memory() -> None:
     """Hands the heap freed by a torn-down generation back to the OS (glibc's malloc_trim).
     Without it, the gloo buffers and stage tensors of each generation leave the heap
@@ -58,6 +57,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 _LIBC = _glibc()
+
 
 class StageModule(nn.Module):
     """The layers of one stage applied in order (modules owned by the LayerStore). `fault` is
