@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from jobs import SCRIPT, job_args
+from oobleck_elastic.chaos import compare_losses, compare_weights
 from oobleck_elastic.launcher.chaos import ChaosConfig, ChaosSchedule, Injection, chaos_report
 
 
@@ -60,6 +61,22 @@ class _Nodes:
         self.alive.append(100 + self.started)
 
 
+def test_the_comparison_checks_every_logged_step_and_scales_by_the_norm(tmp_path):
+    reference = [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.5}, {"step": 2, "loss": 1.25},
+                 {"event": "final", "steps": 3, "param_sums": [-1e-3, 4.0], "param_norms": [10.0, 8.0]}]
+    # step 1 was logged twice (redone after a fallback); its first record used a wrong sample
+    run = [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 1.5 * (1 + 1e-3)},
+           {"event": "recovery", "restored_from": 0}, {"step": 1, "loss": 1.5}, {"step": 2, "loss": 1.25}]
+    n, worst, at = compare_losses(run, reference)
+    assert (n, at) == (4, 1) and worst == pytest.approx(1e-3)
+    assert compare_losses([{"step": 7, "loss": 1.0}], reference)[1] == float("inf"), "a step the reference never ran"
+    # no checkpoints: a sum that cancels to near zero is scaled by its layer's norm, not by itself
+    final = {"steps": 3, "param_sums": [-1e-3 + 1e-8, 4.0], "param_norms": [10.0, 8.0]}
+    worst, what = compare_weights(str(tmp_path / "a"), str(tmp_path / "b"), final, reference[-1])
+    assert worst == pytest.approx(1e-9) and "sums and norms" in what
+    assert compare_weights("a", "b", {**final, "steps": 2}, reference[-1])[0] == float("inf")
+
+
 def test_a_node_that_leaves_on_its_own_is_replaced_too(monkeypatch):
     # a live node taken for dead on a loaded machine fences itself and exits: no injection
     # counted it, but the job must keep its size or the schedule runs out of nodes to fail
@@ -92,5 +109,10 @@ def test_a_short_chaos_run_ends_with_the_failure_free_weights_and_no_process_lef
     assert proc.returncode == 0, out[-4000:]
     assert "final weights vs the failure-free run (float64): EQUAL" in out, out[-3000:]
     assert "orphan processes: 0" in out
+    # 30 steps leave float64 rounding at ~1e-14, far inside the report's bounds for long runs: a
+    # gradient summed in float32 anywhere (1e-8) would pass those but not this
+    diffs = [float(part.split()[0].rstrip(",")) for part in out.split("largest relative difference ")[1:]]
+    assert len(diffs) == 2 and max(diffs) < 1e-11, out[-3000:]
+    assert "each tensor of the checkpoints of step 30" in out, out[-3000:]
     failed = int(out.split("nodes failed: ")[1].split()[0])
     assert failed >= 2, out[-3000:]  # replacements join slowly on a loaded machine: the schedule waits for them
