@@ -45,7 +45,7 @@ def run(tmp: pathlib.Path, name: str, kills: str, own: list[str]) -> tuple[float
                            "--set", "checkpoint.interval=5"],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
     log = [r for r in records(tmp / name / "metrics.jsonl") if "step" in r and "event" not in r]
     start = log[0]["time"] - log[0]["step_time_s"]
     return start, log[-1]["time"] - start, tmp / name / "metrics.jsonl"
@@ -55,41 +55,60 @@ def simulate(tmp: pathlib.Path, args: list[str]) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "oobleck_elastic.simulate", *args], cwd=tmp,
                          capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
-        raise SystemExit(out.stderr)
+        raise RuntimeError(out.stderr)
     return out
 
 
-def main() -> int:
-    from jobs import SCRIPT, job_args, records
+def measure_profile(tmp_path: pathlib.Path, own: list[str]) -> pathlib.Path:
+    """The job's profile, measured by its script alone in one step (cached where the jobs look)."""
+    from jobs import SCRIPT, job_args
 
+    alone = subprocess.run([sys.executable, SCRIPT, *job_args(tmp_path, "profile"), *own, "--set", "train.steps=1",
+                            "--set", "planner.memory_per_worker=1GB"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    if alone.returncode != 0:
+        raise RuntimeError(alone.stderr[-3000:])
+    (profile,) = (tmp_path / "profiles").glob("*.json")
+    return profile
+
+
+def kill_trace(tmp_path: pathlib.Path, name: str, start: float) -> pathlib.Path:
+    """The measured run's kills as a trace CSV, in seconds from its first step's start."""
+    from jobs import records
+
+    kills = records(tmp_path / f"{name}-kills.jsonl")
+    if len(kills) != 3:
+        raise RuntimeError(f"expected 3 kills in the measured run, got {len(kills)}")
+    trace = tmp_path / f"{name}-kills.csv"
+    trace.write_text("".join(f"{k['time'] - start:.3f},remove,{k['node']}\n" for k in kills))
+    return trace
+
+
+def predict(tmp_path: pathlib.Path, profile: pathlib.Path, trace: pathlib.Path, extra: list[str]) -> dict:
+    """The simulator's row for our runtime on the measured run's trace."""
+    out = simulate(tmp_path, ["--profile", str(profile), *JOB, "--trace", str(trace), "--steps", str(STEPS),
+                              "--systems", "oobleck", "--json", "--plot", "", *extra])
+    (row,) = json.loads(out.stdout)["rows"]
+    return row
+
+
+def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = pathlib.Path(tmp)
         own = ["--set", f"planner.profile_dir={tmp_path / 'profiles'}"]  # not the session's shared cache
-        alone = subprocess.run([sys.executable, SCRIPT, *job_args(tmp_path, "profile"), *own, "--set", "train.steps=1",
-                                "--set", "planner.memory_per_worker=1GB"],
-                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        if alone.returncode != 0:
-            raise SystemExit(alone.stderr[-3000:])
-        (profile,) = (tmp_path / "profiles").glob("*.json")  # the jobs use the one measured alone
+        profile = measure_profile(tmp_path, own)  # the jobs use the one measured alone
         _, calibration_s, calibration_log = run(tmp_path, "calibration", CALIBRATION_KILLS, own)
         start, measured, _ = run(tmp_path, "run", MEASURED_KILLS, own)
-        kills = records(tmp_path / "run-kills.jsonl")
-        if len(kills) != 3:
-            raise SystemExit(f"expected 3 kills in the measured run, got {len(kills)}")
-        trace = tmp_path / "kills.csv"
-        trace.write_text("".join(f"{k['time'] - start:.3f},remove,{k['node']}\n" for k in kills))
+        trace = kill_trace(tmp_path, "run", start)
         fitted = tmp_path / "constants.json"
         simulate(tmp_path, ["--fit", str(calibration_log), "--profile", str(profile), *JOB, "--fit-out", str(fitted)])
         print(f"measured {measured:.2f} s (the calibration run: {calibration_s:.2f} s)")
         for label, extra in (("shipped constants", []), ("fitted to the calibration run", ["--constants", str(fitted)])):
-            out = simulate(tmp_path, ["--profile", str(profile), *JOB, "--trace", str(trace), "--steps", str(STEPS),
-                                      "--systems", "oobleck", "--json", "--plot", "", *extra])
-            (row,) = json.loads(out.stdout)["rows"]
+            row = predict(tmp_path, profile, trace, extra)
             predicted = row["finished_at_s"]
             print(f"{label}: predicted {predicted:.2f} s, predicted/measured {predicted / measured:.2f} "
                   f"(goal 0.75-1.25); recoveries {row['recoveries']} (3), fallbacks {row['fallbacks']} (1)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

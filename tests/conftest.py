@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from jobs import failure_free  # noqa: F401 (a fixture: the single-process reference run)
+from jobs import failure_free, failure_free_40  # noqa: F401 (fixtures: the single-process reference runs)
 from oobleck_elastic.planning import Cluster, LayerProfile, ModelProfile
 
 

@@ -29,15 +29,34 @@ def records(path):
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
 
 
+def reference_run(tmp_path_factory, *sets: str) -> dict:
+    """The final record of the single-process run of the job with `sets` (one worker holds the
+    whole model), run once per session for each `sets` however many tests compare with it."""
+    key = tuple(sets)
+    if key not in _REFERENCES:
+        tmp = tmp_path_factory.mktemp("reference")
+        alone = [*job_args(tmp, "ref"), "--set", "planner.memory_per_worker=1GB", *sets]
+        proc = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        _REFERENCES[key] = records(tmp / "ref/metrics.jsonl")[-1]
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict[tuple[str, ...], dict] = {}
+
+
 @pytest.fixture(scope="session")
 def failure_free(tmp_path_factory):
     """The single-process run (equal to a failure-free multi-node run, see test_launcher)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    alone = [*job_args(tmp, "ref"), "--set", "planner.memory_per_worker=1GB"]  # one worker holds all
-    proc = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return records(tmp / "ref/metrics.jsonl")[-1]
+    return reference_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def failure_free_40(tmp_path_factory):
+    """The single-process run of 40 steps: long enough for a node started at step 3 to be
+    admitted before the end."""
+    return reference_run(tmp_path_factory, "--set", "train.steps=40")
 
 
 def assert_matches(final, reference, rel=1e-9):

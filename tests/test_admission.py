@@ -15,16 +15,7 @@ from jobs import SCRIPT, assert_matches, job_args, records
 
 pytestmark = pytest.mark.slow
 
-LONG = ["--set", "train.steps=40"]  # long enough for a node started at step 3 to be admitted
-
-
-@pytest.fixture(scope="module")
-def failure_free_40(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference40")
-    alone = [*job_args(tmp, "ref"), "--set", "planner.memory_per_worker=1GB", *LONG]
-    proc = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return records(tmp / "ref/metrics.jsonl")[-1]
+LONG = ["--set", "train.steps=40"]  # as failure_free_40 (jobs.py)
 
 
 def run_job(tmp_path, nodes: int, fault: str, launcher: tuple[str, ...] = (), sets: tuple[str, ...] = ()):

@@ -215,6 +215,26 @@ def test_the_roll_call_waits_for_beating_members_and_drops_silent_ones_after_the
     assert p.failed_at(2) == store.try_get_json("nodes/2/dead")["at"]
 
 
+def test_a_lease_that_stood_still_before_the_roll_call_is_dead_sooner_but_never_on_the_writers_clock_alone(
+        store, clock):
+    wall = [1000.0]
+    p = Protocol(store, clock=clock, sleep=clock.sleep, wall=lambda: wall[0] + clock.now)
+    store.set_json("lease/1", {"beat": 7, "at": 1000.0 - 0.4})  # node 1's last beat, 0.4 s before the roll call
+    store.set_json("lease/2", {"beat": 3, "at": 1000.0 + 5.0})  # node 2's clock runs 5 s ahead of ours
+    store.set_json("lease/3", 4)  # a beat without its time: the reader's clock only
+    alive, dead = p.roll_call(0, (0, 0), [0, 1], 1, timeout=60.0, suspect_after=0.6)
+    assert (alive, dead) == ([0], [1]) and 0.4 <= clock.now < 0.45, "2/3 of the window, not all of it"
+    q = Protocol(store, clock=clock, sleep=clock.sleep, wall=lambda: wall[0] + clock.now)
+    start = clock.now
+    assert q.roll_call(1, (0, 0), [0, 2, 3], 1, timeout=60.0, suspect_after=0.6) == ([0], [2, 3])
+    assert 0.6 <= clock.now - start < 0.65, "a future or missing time waits the whole window"
+    # a live node's lease moves within the window, however old its (wrong) time says it is
+    clock.every(0.2, lambda: store.set_json("lease/4", {"beat": clock.now, "at": 0.0}), until=clock.now + 60)
+    for _ in range(20):
+        clock.sleep(0.1)
+        assert not q.dead([4], timeout=0.6)
+
+
 def test_the_roll_call_ends_at_its_timeout_and_marks_the_absent_dead(store, clock):
     p = protocol(store, clock)
     clock.every(0.2, lambda: store.add("lease/1", 1), until=60)  # beating, but its workers never check in

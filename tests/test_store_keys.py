@@ -55,7 +55,7 @@ def test_two_runs_on_one_store_never_see_each_others_keys(kind, etcd_port):
                 protocol.renew_lease(0)
         write_a_generation(a, 1)
         assert Protocol(b).try_record(1) is None and b.try_get_json("gen1/built") is None
-        assert b.try_get_json("lease/0") == 1, "b's lease moved with a's"
+        assert b.try_get_json("lease/0")["beat"] == 1, "b's lease moved with a's"
         assert not any(k.startswith(("gen1/", "rollcall/", "recovery/")) for k in b.keys())
         write_a_generation(b, 1)
         assert a.add("gen1/built", 0) == 2 and b.add("gen1/built", 0) == 2

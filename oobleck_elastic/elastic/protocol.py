@@ -29,6 +29,17 @@ Note: [roll call]
     `generation/<g+1>`; everyone adopts whatever won, and a worker whose node is not in it is
     fenced and exits.
 
+Note: [lease age]
+    A lease that stands still is judged by two clocks. The reader's own: the lease has not
+    moved for the whole timeout since the reader first saw its value. And the writer's: each
+    beat carries its agent's wall time, so a reader that first looks after a failure (the roll
+    call) knows the lease had already stood still before it looked. The writer's time alone
+    would let a reader whose clock runs ahead take a live node for dead, so it counts only
+    once the reader itself has seen the lease stand still for two thirds of the timeout (two
+    beats of the roll call's three). A node killed just after a beat is then dead about
+    2/3 of the window after the roll call starts, not a whole window (torch's own rendezvous
+    compares its nodes' wall-clock heartbeats the same way, without the guard).
+
 Note: [store keys]
     A run's records stay in the store after it ends (RECORDS: the generation records, the
     recoveries, the end record, each node's registration and its end); everything else is
@@ -335,8 +346,11 @@ class Protocol:
             last = self._seen.get(node)
             if last is None or last[0] != beat:
                 self._seen[node] = (beat, now)
-            elif now - last[1] > timeout:
-                out.add(node)
+                continue
+            still = now - last[1]
+            at = beat.get("at") if isinstance(beat, dict) else None
+            if still > timeout or (at is not None and still >= timeout * 2 / 3 and self.wall() - at > timeout):
+                out.add(node)  # Note: [lease age]
         return out
 
     def failed_at(self, node: int) -> float | None:
@@ -346,14 +360,18 @@ class Protocol:
             if (record := self.store.try_get_json(key)) is not None:
                 return record.get("time", record.get("at"))
         if node in self._seen:
-            return self.wall() - (self.clock() - self._seen[node][1])
+            beat, seen = self._seen[node]
+            if isinstance(beat, dict) and isinstance(beat.get("at"), (int, float)):
+                return float(beat["at"])
+            return self.wall() - (self.clock() - seen)
         return None
 
     def renew_lease(self, node: int) -> None:
-        """One beat of `node`'s lease: a plain write of the beat's number (one etcd request, where
-        a counter takes a read and a compare-and-set); readers only look for it to change."""
+        """One beat of `node`'s lease: a plain write of the beat's number and the writer's wall
+        time (one etcd request, where a counter takes a read and a compare-and-set); readers look
+        for it to change, and at its time once it stands still (Note: [lease age])."""
         self._beats[node] = self._beats.get(node, 0) + 1
-        self.store.set_json(f"lease/{node}", self._beats[node])
+        self.store.set_json(f"lease/{node}", {"beat": self._beats[node], "at": self.wall()})
 
     def record_kill(self, node: int, record: dict) -> None:
         """A fault injector's kill (the first sign of the failure, for `failed_at`)."""
