@@ -4,7 +4,8 @@ agents, each in its own process group so a node can be killed as a unit, and wat
 through the store: one progress line per interval, one line per reconfiguration, nodes added at
 the steps asked for, a dead agent marked dead at once, a stop on SIGTERM or Ctrl-C.
 
-Each node is `python -m oobleck_elastic.launch --oobleck-node ...` (launcher/node.py).
+Each node runs `python -m oobleck_elastic.launch --oobleck-node ...` (launcher/node.py), forked
+by the zygote (launcher/zygote.py) so that torch is imported once for all the nodes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -24,9 +24,11 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import StoreUnreachable
 from oobleck_elastic.launcher.node import with_job_settings
+from oobleck_elastic.launcher.zygote import ForkedNode, Zygote
 
 __all__ = ["LocalNodes", "run_local_job", "node_command"]
 
+NODE_PROGRAM = (sys.executable, "-m", "oobleck_elastic.launch")  # what each node runs, before its arguments
 FAILED_GRACE_S = 5.0  # after a worker's fatal error, how long the other nodes get to leave
 
 
@@ -50,7 +52,7 @@ def _recovery_line(rec: dict) -> str:
             f"({rec['bytes_moved'] / 2**20:.1f} MiB); " + "; ".join(rec["actions"]))
 
 
-def _mark_dead_nodes(protocol: Protocol, procs: list[subprocess.Popen], dead: set[int]) -> None:
+def _mark_dead_nodes(protocol: Protocol, procs: list[ForkedNode], dead: set[int]) -> None:
     """A node whose agent process exited before the run is done is dead: say so in the store
     at once (faster than its lease expiring)."""
     if protocol.finished():
@@ -128,7 +130,7 @@ def node_command(args: argparse.Namespace, cfg: JobConfig | None, endpoint: str,
     rendezvous settings in --rdzv-conf (launcher/node.py)."""
     nodes = args.oobleck_local_nodes
     most = nodes + len(args.oobleck_add_node_at_step)
-    return [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-node", f"--nnodes={nodes}:{most}",
+    return [*NODE_PROGRAM, "--oobleck-node", f"--nnodes={nodes}:{most}",
             f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-conf={with_job_settings(args.rdzv_conf, cfg)}", f"--rdzv-id={run_id}",
             f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
@@ -146,21 +148,23 @@ class LocalNodes:
     launcher's loop watches them, and a chaos schedule (launcher/chaos.py) signals them."""
 
     def __init__(self, command: list[str], log_dir: str, verbose: bool, protocol: Protocol,
-                 workers_per_node: int = 1) -> None:
+                 workers_per_node: int = 1, run_id: str = "") -> None:
         self.command, self.log_dir, self.verbose, self.protocol = command, log_dir, verbose, protocol
         self.workers_per_node = workers_per_node
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list = []
+        self.procs: list[ForkedNode] = []
+        self.zygote = Zygote(self.env, run_id)
 
     def start(self) -> int:
-        """Starts one more node (its own process group, so it can be killed as a unit); its k."""
+        """Starts one more node (its own session, so it can be killed as a unit); its k. The
+        node is forked by the zygote (launcher/zygote.py), which has imported torch already."""
         k = len(self.procs)
-        log = None if self.verbose else open(os.path.join(self.log_dir, f"node{k}.log"), "w")  # noqa: SIM115
-        self.logs.append(log)
-        self.procs.append(subprocess.Popen(self.command, env=self._node_env(k), stdout=log,
-                                           stderr=subprocess.STDOUT if log else None, start_new_session=True))
+        log = None if self.verbose else os.path.join(self.log_dir, f"node{k}.log")
+        self.procs.append(self.zygote.start(self.command[len(NODE_PROGRAM):], self._node_env(k), log))
         return k
+
+    def close(self) -> None:
+        self.zygote.close()
 
     def _node_env(self, k: int) -> dict[str, str]:
         """Node k's environment. On a machine with GPUs (and no CUDA_VISIBLE_DEVICES of the
@@ -208,8 +212,9 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
     protocol = Protocol(store)
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
     local = LocalNodes(node_command(args, cfg, endpoint, run_id), args.oobleck_log_dir, bool(args.verbose), protocol,
-                       workers_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1)
-    procs, logs, start_node = local.procs, local.logs, local.start
+                       workers_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1,
+                       run_id=run_id)
+    procs, start_node = local.procs, local.start
 
     pending_adds = sorted(args.oobleck_add_node_at_step)
     print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
@@ -290,9 +295,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
             if p.poll() is None:
                 local.signal(k, signal.SIGKILL)  # the agent and its workers, even one not watching it yet
                 p.wait()
-        for log in logs:
-            if log:
-                log.close()
+        local.close()
     failed = [k for k, p in enumerate(procs) if p.returncode != 0]
     done = None if lost_store else protocol.done()
     if not done:
