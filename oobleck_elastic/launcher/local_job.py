@@ -153,7 +153,7 @@ class LocalNodes:
         self.workers_per_node = workers_per_node
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.procs: list[ForkedNode] = []
-        self.zygote = Zygote(self.env, run_id)
+        self.zygote = Zygote(self.env, run_id, module=NODE_PROGRAM[2])
 
     def start(self) -> int:
         """Starts one more node (its own session, so it can be killed as a unit); its k. The

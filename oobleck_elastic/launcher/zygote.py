@@ -6,7 +6,7 @@ agent as on any machine (exec, not fork).
 
 The launcher talks to it over a socket (one JSON object per line):
 
-    launcher -> zygote   {"argv": [...], "env": {...}, "log": PATH or null}
+    launcher -> zygote   {"module": M, "argv": [...], "env": {...}, "log": PATH or null}
     zygote -> launcher   {"started": PID}                   in the order asked
                          {"exited": PID, "returncode": RC}  RC < 0: killed by signal -RC
 
@@ -22,6 +22,7 @@ Note: [forking after torch]
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -61,10 +62,11 @@ class Zygote:
     """The launcher's end: starts the zygote process (its command line names the job, as the
     nodes' did) and forks nodes through it."""
 
-    def __init__(self, env: dict[str, str], run_id: str) -> None:
+    def __init__(self, env: dict[str, str], run_id: str, module: str) -> None:
         ours, theirs = socket.socketpair()
+        self.module = module
         self.proc = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launcher.zygote", f"--rdzv-id={run_id}",
-                                      str(theirs.fileno())], env=env, pass_fds=(theirs.fileno(),),
+                                      module, str(theirs.fileno())], env=env, pass_fds=(theirs.fileno(),),
                                      start_new_session=True)
         theirs.close()
         self.channel, self.nodes, self._buffer, self._started = ours, {}, b"", []
@@ -73,9 +75,10 @@ class Zygote:
         self._gone = False
 
     def start(self, argv: list[str], env: dict[str, str], log: str | None) -> ForkedNode:
-        """Forks one node running `python -m oobleck_elastic.launch ARGV` with `env`, its output
-        to `log` (None: the launcher's own stdout and stderr)."""
-        self.channel.sendall((json.dumps({"argv": argv, "env": env, "log": log}) + "\n").encode())
+        """Forks one node running `python -m MODULE ARGV` (MODULE.main(ARGV)) with `env`, its
+        output to `log` (None: the launcher's own stdout and stderr)."""
+        request = {"module": self.module, "argv": argv, "env": env, "log": log}
+        self.channel.sendall((json.dumps(request) + "\n").encode())
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._started:
             if self._gone or time.monotonic() > deadline:
@@ -148,9 +151,7 @@ def _child(request: dict, channel: socket.socket) -> None:
         os.environ.update(request["env"])
         random.seed()
         sys.argv = [sys.argv[0], *request["argv"]]
-        from oobleck_elastic.launch import main as launch_main
-
-        code = launch_main(request["argv"])
+        code = importlib.import_module(request["module"]).main(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - the node's last word goes to its log
@@ -188,8 +189,9 @@ def _send(channel: socket.socket, message: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    channel = socket.socket(fileno=int(argv[-1]))  # the rest (--rdzv-id=...) names the job in `ps`
-    import oobleck_elastic.launch  # noqa: F401 - what every node needs, imported once here
+    # argv: --rdzv-id=RUN (names the job in `ps`), MODULE (the nodes' program), the socket's fd
+    channel = socket.socket(fileno=int(argv[-1]))
+    importlib.import_module(argv[-2])  # what every node needs, imported once here
 
     children: set[int] = set()
     selector = selectors.DefaultSelector()
