@@ -96,9 +96,6 @@ class Zygote:
             data = self.channel.recv(65536)
             if not data:  # the zygote died: its nodes were reparented, their status is lost
                 self._gone = True
-                for node in self.nodes.values():
-                    if node.returncode is None and not _alive(node.pid):
-                        node.returncode = 1
                 break
             self._buffer += data
             while b"\n" in self._buffer:
@@ -108,7 +105,7 @@ class Zygote:
                     self._started.append(message["started"])
                 elif message.get("exited") in self.nodes:
                     self.nodes[message["exited"]].returncode = message["returncode"]
-        if self._gone:
+        if self._gone:  # a node no longer alive counts as failed
             for node in self.nodes.values():
                 if node.returncode is None and not _alive(node.pid):
                     node.returncode = 1
