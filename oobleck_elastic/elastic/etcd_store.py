@@ -19,10 +19,14 @@ Note: [etcd outages]
     etcd restarted under a running job (with its data), a network blip or a leader election
     make requests fail for a while. A request is tried again until the server answers or
     `outage_timeout` (the job's lease timeout, for workers) has passed: an outage shorter than
-    the lease is ridden out, every worker and agent waiting in its store call; a longer one
-    fails the workers with a line naming etcd, and the launcher stops the job. An etcd that
-    lost its data (a new, empty cluster) is not a blip: the run's records are gone and the
-    workers fail with "not one this job wrote" or a timeout naming what they awaited.
+    the lease is ridden out, every worker and agent waiting in its store call. It costs no
+    recovery when it is also shorter than `elastic.collective_timeout_s`; otherwise it may cost
+    one, exact and with the same nodes: workers read a step's decision one by one, so an outage
+    can hold some of them in etcd while the others already wait for them in the next step's
+    collectives. A longer outage fails the workers with a line naming etcd, and the launcher
+    stops the job. An etcd that lost its data (a new, empty cluster) is not a blip: the run's
+    records are gone and the workers fail with "not one this job wrote" or a timeout naming
+    what they awaited.
 
 Start etcd 3.4 with the v2 API: `etcd --enable-v2 --listen-client-urls http://0.0.0.0:2379
 --advertise-client-urls http://HOST:2379`.
