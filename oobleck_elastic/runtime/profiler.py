@@ -1,8 +1,10 @@
 """The layer profiler: real forward and backward times and memory of each layer, cached.
 
 For each layer, on the local device, with the job's microbatch size and precision:
-  * forward_ms / backward_ms: median of `iterations` timed runs after one warm-up; backward is
-    a real `torch.autograd.backward` of the layer's output (the loss, for the last layer);
+  * forward_ms / backward_ms: median of `iterations` timed passes after one warm-up, each
+    layer timed in its place in a chain of consecutive layers run as a stage runs them (Note:
+    [layers timed in context]); backward is a real `torch.autograd.backward` of the layer's
+    output (the loss, for the last layer);
   * optimizer_ms: the configured optimizer's step on the layer (under bf16-mixed with the
     refresh of the layer's bf16 copy from its float32 master), timed the same way;
   * param_bytes, grad_bytes: the layer's trainable (master) parameters and their gradients;
@@ -14,6 +16,19 @@ For each layer, on the local device, with the job's microbatch size and precisio
 
 The layer runs exactly as a worker runs it (runtime.layers.LayerState: master, compute copy,
 gradient hooks, optimizer). On CUDA times come from CUDA events, on the CPU from the wall clock.
+
+Note: [layers timed in context]
+    A layer timed alone, again and again, keeps its weights and activations in the caches;
+    in a stage it runs after its neighbours, which have pushed them out. On this machine's
+    CPU the sum of the layers timed alone came to ~0.92 of a forward and backward of the
+    whole model, and the cost model under-predicted every layout by at least that much. So
+    the layers are timed in windows of consecutive layers, back to back, one forward pass
+    through the window and then one backward pass in reverse, with the activation detached
+    at each layer's input (as at a stage boundary) so each layer's forward and backward are
+    timed on their own. A window holds as many layers as fit a quarter of the device's
+    memory (all of them, on a CPU or a GPU that holds the model), so a model larger than one
+    device is still profiled, window by window; each window starts from the previous one's
+    output.
 
 The profile file (format in `planning.profile`) lives in `planner.profile_dir`, named by a hash
 of every field of its key: the model's signature (its name and fingerprint: architecture
@@ -146,18 +161,10 @@ def _profile_layer(spec: ModelSpec, index: int, x: torch.Tensor, target: torch.T
     with torch.no_grad():
         next_input = layer(x)
     (out, saved), peak = _peak_growth(lambda: _saved_bytes(forward), device)
-    grad = None if last else torch.randn_like(out)
-    forward_ms = _timed(lambda: forward(), device, iterations)
-
-    def backward() -> None:
-        result = forward()
-        result.backward(grad)
-
-    # Backward time = (forward + backward) - forward, both measured on fresh graphs.
-    both_ms = _timed(backward, device, iterations)
+    forward().backward(None if last else torch.randn_like(out))  # every master gradient exists
     optimizer_ms = 0.0
     if state.optimizer is not None:
-        state.grads()  # every master gradient exists, as after a real backward
+        state.grads()
 
         def optimizer_step() -> None:
             state.optimizer.step()
@@ -168,11 +175,95 @@ def _profile_layer(spec: ModelSpec, index: int, x: torch.Tensor, target: torch.T
                  if torch.is_tensor(v)] if state.optimizer else []
     copy_bytes = _nbytes([p for p in layer.parameters() if p.requires_grad]) if layer is not master else 0
     profile = LayerProfile(
-        name=spec.layers[index].name, forward_ms=forward_ms, backward_ms=max(both_ms - forward_ms, 1e-6),
+        name=spec.layers[index].name, forward_ms=0.0, backward_ms=0.0,  # timed in context: _time_in_context
         param_bytes=_nbytes(state.params), grad_bytes=_nbytes(state.params), optimizer_bytes=_nbytes(opt_state),
         activation_bytes=max(saved, peak), output_bytes=_nbytes([out]), optimizer_ms=optimizer_ms,
         compute_copy_bytes=copy_bytes)
     return profile, next_input
+
+
+def _windows(layers: list[LayerProfile], budget: int) -> list[range]:
+    """Consecutive layers whose parameters, gradients, compute copies and activations fit
+    `budget` together, at least one layer each (Note: [layers timed in context])."""
+    windows, start, used = [], 0, 0
+    for i, layer in enumerate(layers):
+        size = 2 * layer.param_bytes + layer.compute_copy_bytes + layer.activation_bytes + layer.output_bytes
+        if i > start and used + size > budget:
+            windows.append(range(start, i))
+            start, used = i, 0
+        used += size
+    windows.append(range(start, len(layers)))
+    return windows
+
+
+class _Marks:
+    """Time marks on `device`: the wall clock on the CPU, CUDA events (read after one
+    synchronize) on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def _time_in_context(spec: ModelSpec, windows: list[range], x: torch.Tensor, target: torch.Tensor, *, seed: int,
+                     train: TrainConfig, device: torch.device, iterations: int) -> list[tuple[float, float]]:
+    """(forward_ms, backward_ms) of every layer, each window's layers run back to back as a
+    stage runs them (Note: [layers timed in context]): medians of `iterations` passes after
+    one warm-up."""
+    master_dtype = DTYPES[train.param_dtype]
+    last_layer = spec.num_layers - 1
+    out: list[tuple[float, float]] = []
+    for window in windows:
+        states = [LayerState(materialize_layer(spec, i, seed=seed, dtype=master_dtype, device=device), train)
+                  for i in window]
+        grad = None
+        samples: list[list[float]] = []
+        for n in range(iterations + 1):
+            forward, backward = _Marks(device), _Marks(device)
+            inputs, outputs = [], []
+            h = x
+            forward.mark()
+            for i, state in zip(window, states):
+                inp = h.detach().requires_grad_(h.is_floating_point())
+                h = state.compute(inp)
+                if i == last_layer:
+                    h = spec.loss(h.to(master_dtype) if h.is_floating_point() else h, target)
+                inputs.append(inp)
+                outputs.append(h)
+                forward.mark()
+            if grad is None and window[-1] != last_layer:
+                grad = torch.randn_like(h)
+            upstream = grad
+            backward.mark()
+            for inp, output in zip(reversed(inputs), reversed(outputs)):
+                torch.autograd.backward(output, upstream)
+                upstream = inp.grad
+                backward.mark()
+            if n:  # the first pass warms up
+                samples.append(forward.spans_ms() + backward.spans_ms()[::-1])
+            for state in states:
+                state.zero_grad()
+        x = h.detach()
+        k = len(window)
+        medians = [statistics.median(column) for column in zip(*samples)]
+        out.extend((medians[j], max(medians[k + j], 1e-6)) for j in range(k))
+        del states
+    return out
 
 
 def profile_model(spec: ModelSpec, *, microbatch_size: int, precision: str | None = None, seed: int = 0,
@@ -196,11 +287,14 @@ def _measure(spec: ModelSpec, *, microbatch_size: int, precision: str, seed: int
     x, target = spec.sample_batch(microbatch_size)
     x = x.to(device=device, dtype=compute_dtype if x.is_floating_point() else x.dtype)
     target = target.to(device)
-    layers = []
+    first_input, layers = x, []
     for i in range(spec.num_layers):
         layer, x = _profile_layer(spec, i, x, target, seed=seed, train=train, device=device,
                                   iterations=iterations)
         layers.append(layer)
+    times = _time_in_context(spec, _windows(layers, device_memory_bytes(device) // 4), first_input, target,
+                             seed=seed, train=train, device=device, iterations=iterations)
+    layers = [dataclasses.replace(layer, forward_ms=f, backward_ms=b) for layer, (f, b) in zip(layers, times)]
     return ModelProfile(signature="", microbatch_size=microbatch_size,
                         dtype=_profile_name(precision), device=_device_name(device), torch_version=torch.__version__,
                         device_memory_bytes=device_memory_bytes(device), layers=tuple(layers))
