@@ -184,7 +184,8 @@ def main() -> int:
     cfg = _cfg(args.steps)
     spec = gpt_model(MODEL)
     torch.set_num_threads(1)  # as each worker runs
-    profile = profile_model(spec, microbatch_size=cfg.train.microbatch_size, precision="fp32", iterations=5)
+    # 20 passes: a median of 5 moved by up to 14% between runs on this shared machine
+    profile = profile_model(spec, microbatch_size=cfg.train.microbatch_size, precision="fp32", iterations=20)
     bandwidth = args.bandwidth or measure_bandwidth(sum(layer.grad_bytes for layer in profile.layers))
     cfg = dataclasses.replace(cfg, planner=dataclasses.replace(cfg.planner, inter_node_bandwidth=bandwidth))
     cluster = make_cluster(cfg.planner, profile, 1)
