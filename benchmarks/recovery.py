@@ -48,14 +48,12 @@ import time
 
 import psutil
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from oobleck_elastic.monitoring.metrics import read_records  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples/gpt/config.yaml")
 KILLED = 1  # the node SIGKILLed on both sides; neither side's stores live on it
-
-
-def _records(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _free_port() -> int:
@@ -150,8 +148,8 @@ def run_ours_under_torchrun(tmp: str, nodes: int, steps: int, kill_step: int) ->
 
 def _measure(work: str) -> dict:
     """Kill -> next completed step, steps lost and the recovery record of a run of ours."""
-    kill = _records(f"{work}/kill.jsonl")[0]
-    log = _records(f"{work}/metrics.jsonl")
+    kill = read_records(f"{work}/kill.jsonl")[0]
+    log = read_records(f"{work}/metrics.jsonl")
     # the first step of the new generation (a step of the old one may finish just after the kill)
     after = [r for r in log if "step" in r and "event" not in r and r["time"] > kill["time"] and r["generation"] > 0]
     recovery = [r for r in log if r.get("event") == "recovery"][0]
@@ -163,7 +161,7 @@ def _measure(work: str) -> dict:
 
 
 def _records_or_empty(path):
-    return _records(path) if os.path.exists(path) else []
+    return read_records(path, missing_ok=True)
 
 
 def _errors(work: str) -> str:

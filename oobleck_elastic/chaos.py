@@ -18,7 +18,6 @@ when the run finished with the failure-free run's weights and left no process be
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -33,6 +32,7 @@ from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launch import build_parser, job_config_of
 from oobleck_elastic.launcher.chaos import ChaosConfig, ChaosSchedule, chaos_report
 from oobleck_elastic.launcher.local_job import run_local_job
+from oobleck_elastic.monitoring.metrics import read_records
 from oobleck_elastic.runtime.checkpoint import load_model_state, read_manifest
 
 __all__ = ["main"]
@@ -135,11 +135,6 @@ def compare_weights(job_dir: str, ref_dir: str, final: dict | None, reference: d
     return worst, f"each tensor of the checkpoints of step {step}"
 
 
-def _records(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     run_id = f"chaos-{a.seed}-{uuid.uuid4().hex[:6]}"
@@ -176,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ref_args = _job_args([*a.script_args, *(x for kv in a.reference_set for x in ("--set", kv))], a.out, "reference")
     _reference(a.script, ref_args, a.out)
     ref_cfg = job_config_of(ref_args)
-    reference = _records(ref_cfg.monitoring.metrics_path)
-    n, worst_loss, at = compare_losses(_records(cfg.monitoring.metrics_path), reference)
+    reference = read_records(ref_cfg.monitoring.metrics_path)
+    n, worst_loss, at = compare_losses(read_records(cfg.monitoring.metrics_path), reference)
     finals = [r for r in reference if r.get("event") == "final"]
     worst, what = compare_weights(cfg.checkpoint.dir, ref_cfg.checkpoint.dir, report.final,
                                   finals[-1] if finals else None)

@@ -22,7 +22,7 @@ ALLOWED = {
     "elastic": {"config", "planning", "monitoring", "runtime", "testing"},
     "testing": {"config"},
     "launcher": {"config", "planning", "monitoring", "runtime", "elastic", "testing"},
-    "simulation": {"config", "planning"},
+    "simulation": {"config", "planning", "monitoring"},  # monitoring.metrics: the metrics log it fits
 }
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch.distributed as dist
 
 from oobleck_elastic.config import load_config
+from oobleck_elastic.monitoring.metrics import JsonlSink, read_records
 from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import host_store
@@ -55,3 +57,22 @@ def test_the_report_mirrors_progress_recoveries_and_the_end_for_the_launcher(tmp
     assert mirror.done() == {"steps": 2}
     events = [json.loads(line).get("event", "step") for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert events == ["recovery", "step", "final"]
+
+
+def test_metrics_log_reads_back_whole_records_only(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    sink = JsonlSink(path)
+    sink.write({"step": 0, "loss": 1.5})
+    sink.write({"event": "final", "step": 1})
+    sink.close()
+    assert read_records(path) == [{"step": 0, "loss": 1.5}, {"event": "final", "step": 1}]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"step": 2, "lo')  # the writer killed mid-record
+    assert [r["step"] for r in read_records(path)] == [0, 1]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2 is not a JSON record"):
+        read_records(path)
+    assert read_records(str(tmp_path / "none.jsonl"), missing_ok=True) == []
+    with pytest.raises(FileNotFoundError):
+        read_records(str(tmp_path / "none.jsonl"))

@@ -15,7 +15,6 @@ taken for dead leaves on its own), so the job keeps its size and joins are exerc
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import signal
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.local_job import LocalNodes
+from oobleck_elastic.monitoring.metrics import read_records
 
 __all__ = ["KINDS", "ChaosConfig", "ChaosSchedule", "Injection", "ChaosReport", "chaos_report"]
 
@@ -179,11 +179,7 @@ class ChaosReport:
 
 
 def chaos_report(injections: list[Injection], metrics_path: str) -> ChaosReport:
-    try:
-        with open(metrics_path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:  # the run never trained a step
-        records = []
+    records = read_records(metrics_path, missing_ok=True)  # missing: the run never trained a step
     steps = [r for r in records if "event" not in r]
     recoveries = [r for r in records if r.get("event") == "recovery" and r.get("lost")]  # not joins
     lost = []

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MetricsSink", "JsonlSink", "MultiSink"]
+__all__ = ["MetricsSink", "JsonlSink", "MultiSink", "read_records"]
 
 
 class MetricsSink(abc.ABC):
@@ -52,3 +52,28 @@ class MultiSink(MetricsSink):
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def read_records(path: str, *, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The records of a JSONL metrics log (JsonlSink's), in order. A missing file is [] with
+    `missing_ok` (a run that never logged), else FileNotFoundError. A last line cut short (the
+    writer killed mid-write) is left out; any other line that is not JSON is a ValueError
+    naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        if missing_ok:
+            return []
+        raise
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # no newline after it: the write was cut short
+                break
+            raise ValueError(f"{path}:{number} is not a JSON record ({exc.msg}); is this a metrics log?") from exc
+    return records

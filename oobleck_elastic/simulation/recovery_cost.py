@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from oobleck_elastic.errors import ConfigError
+from oobleck_elastic.monitoring.metrics import read_records
 from oobleck_elastic.planning.reconfigure import Transfer
 
 __all__ = ["RecoveryConstants", "PHASES", "default_constants", "fit_constants", "load_constants",
@@ -108,19 +109,13 @@ def default_constants() -> RecoveryConstants:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """The records of one metrics log; a ConfigError names a line that is not JSON."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--fit {path!r}: no such metrics log (a run writes it at monitoring.metrics_path)")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number} is not a JSON record ({exc.msg}); is this a metrics.jsonl?") from exc
-    return out
+    """The records of one metrics log; a ConfigError names a missing file or a line that is not JSON."""
+    try:
+        return read_records(path)
+    except FileNotFoundError:
+        raise ConfigError(f"--fit {path!r}: no such metrics log (a run writes it at monitoring.metrics_path)") from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _median(values: Sequence[float]) -> float:
