@@ -14,7 +14,7 @@ from examples.gpt.model import GPTConfig, gpt_model, parse_gpt_config
 from oobleck_elastic.config import OptimizerConfig
 from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.runtime.model import LayerSpec, ModelSpec, materialize_layer
-from oobleck_elastic.runtime.profiler import load_or_profile, profile_model
+from oobleck_elastic.runtime.profiler import _time_in_context, _windows, load_or_profile, profile_model
 
 TINY = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, dataset_size=512)
 
@@ -77,6 +77,25 @@ def test_backward_is_measured_not_derived():
     p = profile_model(spec, microbatch_size=2, dtype="float32", iterations=2)
     assert p.layers[0].backward_ms >= 18
     assert p.layers[0].forward_ms < 10
+
+
+def test_a_model_larger_than_the_window_budget_is_timed_window_by_window():
+    """Layers are timed in windows of consecutive layers that fit the budget (Note: [layers
+    timed in context]); each window starts from the previous one's output, so a model larger
+    than one device is still timed, every layer with a forward and a backward."""
+    spec = gpt_model(TINY)
+    p = profile_model(spec, microbatch_size=2, dtype="float32", iterations=1)
+    sizes = [2 * x.param_bytes + x.activation_bytes + x.output_bytes for x in p.layers]
+    assert _windows(list(p.layers), sum(sizes)) == [range(0, 4)]
+    assert _windows(list(p.layers), 0) == [range(i, i + 1) for i in range(4)]  # one layer at least
+    two = _windows(list(p.layers), sizes[0] + sizes[1])
+    assert two[0] == range(0, 2) and [i for w in two for i in w] == [0, 1, 2, 3]
+    from oobleck_elastic.config import TrainConfig
+    x, target = spec.sample_batch(2)
+    for windows in ([range(0, 4)], [range(i, i + 1) for i in range(4)], two):
+        times = _time_in_context(spec, windows, x, target, seed=0, train=TrainConfig(precision="fp32"),
+                                 device=torch.device("cpu"), iterations=2)
+        assert len(times) == 4 and all(f > 0 and b > 0 for f, b in times)
 
 
 def test_cache_hit_and_stale_cache_is_never_used(tmp_path):
