@@ -46,6 +46,7 @@ def test_local_job_trains_reports_and_matches_reference(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step     4/4" in proc.stdout and "tensorboard --logdir" in proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr  # what a user sees of a clean run: no noise
     log = records(tmp_path / "job/metrics.jsonl")
     gen = [r for r in log if r.get("event") == "generation"]
     steps = [r for r in log if "step" in r and "event" not in r]

@@ -58,6 +58,9 @@ class ForkedNode:
         return self.returncode
 
 
+_ENTRY = "import sys; from oobleck_elastic.launcher.zygote import main; sys.exit(main())"
+
+
 class Zygote:
     """The launcher's end: starts the zygote process (its command line names the job, as the
     nodes' did) and forks nodes through it."""
@@ -65,9 +68,10 @@ class Zygote:
     def __init__(self, env: dict[str, str], run_id: str, module: str) -> None:
         ours, theirs = socket.socketpair()
         self.module = module
-        self.proc = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launcher.zygote", f"--rdzv-id={run_id}",
-                                      module, str(theirs.fileno())], env=env, pass_fds=(theirs.fileno(),),
-                                     start_new_session=True)
+        # -c, not -m: the package (imported first by -m) already imports this module, and runpy
+        # would warn on every job that it runs a second copy of it as __main__
+        self.proc = subprocess.Popen([sys.executable, "-c", _ENTRY, f"--rdzv-id={run_id}", module, str(theirs.fileno())],
+                                     env=env, pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
         self.channel, self.nodes, self._buffer, self._started = ours, {}, b"", []
         self._selector = selectors.DefaultSelector()
