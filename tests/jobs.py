@@ -35,7 +35,8 @@ def reference_run(tmp_path_factory, *sets: str) -> dict:
     key = tuple(sets)
     if key not in _REFERENCES:
         tmp = tmp_path_factory.mktemp("reference")
-        alone = [*job_args(tmp, "ref"), "--set", "planner.memory_per_worker=1GB", *sets]
+        # on the CPU even where GPUs are (a session fixture runs before conftest hides them)
+        alone = [*job_args(tmp, "ref"), "--set", "planner.memory_per_worker=1GB", "--set", "train.device=cpu", *sets]
         proc = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr

@@ -70,3 +70,26 @@ def test_a_lone_survivor_waits_for_a_replacement_and_restores_the_checkpoint_wit
     assert [r["step"] for r in steps][:3] == [0, 1, 2] and [r["step"] for r in steps][-4:] == [2, 3, 4, 5]
     assert steps[-1]["nodes"] == 2
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
+def test_every_member_lost_while_nodes_wait_to_join_the_joiners_restore_the_checkpoint(tmp_path, failure_free):
+    """Both members die in step 3 (one pipeline each; the second maybe after the first's
+    recovery) while two replacements get ready: nobody is left to admit them, so the ready joiners propose
+    the next generation themselves and restore the newest checkpoint (Note: [orphaned run]);
+    they used to wait out elastic.join_timeout_s and the job ended."""
+    kills = ";".join(f"node={n},step=3,phase=backward" for n in (0, 1))
+    # started after step 0 (the launcher would stop at once if every node had died first), ready
+    # seconds later (importing, profiling), long after the kills
+    log = run_job(tmp_path, 2, kills, ("--oobleck-add-node-at-step=1", "--oobleck-add-node-at-step=1"),
+                  ("--set", "planner.memory_per_worker=1GB", "--set", "checkpoint.interval=2",
+                   "--set", "checkpoint.background=false",  # the checkpoint of step 2 is whole before step 3
+                   "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"))
+    recoveries = [r for r in log if r.get("event") == "recovery"]
+    orphaned = [r for r in recoveries if "was lost" in r["cause"]]
+    assert len(orphaned) == 1 and orphaned[0]["restored_from"] == 2, recoveries
+    assert orphaned[0]["cause"].startswith("every member of generation"), orphaned
+    assert set(orphaned[0]["joined"]) <= {2, 3} and orphaned[0]["joined"] and 1 in orphaned[0]["lost"], orphaned
+    assert sorted(n for r in recoveries for n in r["lost"]) == [0, 1], recoveries
+    steps = [r for r in log if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps][-4:] == [2, 3, 4, 5]
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)

@@ -95,7 +95,8 @@ def _transfer_worker(rank: int, port: int, out: str) -> None:
     layers = LayerStore(spec, train, device)
     if rank == 0:
         state = layers.materialize(1)
-        state.prime_optimizer()
+        for q in state.params:  # a real step: optimizer state with defined values (no NaN to compare)
+            q.grad = torch.randn_like(q)
         state.optimizer.step()
     moved = run_transfers([Transfer(layer=1, src=WorkerRef(0, 0), dst=WorkerRef(1, 0))], Plan, WorkerRef(rank, 0),
                           layers, stepped=True, timeout=datetime.timedelta(seconds=60))

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from oobleck_elastic.config import load_config
 from oobleck_elastic.elastic.rendezvous import create_handler
 from oobleck_elastic.launch import build_parser
-from oobleck_elastic.launcher.local_job import node_command
+from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.launcher.local_job import free_gpus, node_command
 from oobleck_elastic.launcher.node import rendezvous_parameters, with_job_settings
 
 
@@ -38,3 +41,15 @@ def test_a_heartbeat_given_in_rdzv_conf_wins_and_no_job_adds_nothing():
     assert with_job_settings("store=etcd,heartbeat_interval=0.1", cfg) == "store=etcd,heartbeat_interval=0.1"
     assert with_job_settings("", cfg) == "heartbeat_interval=0.2"
     assert with_job_settings("store=etcd", None) == "store=etcd"
+
+
+def test_local_nodes_get_gpus_no_running_node_holds():
+    """A replacement takes the GPUs its dead predecessor gave back, never a live node's (NCCL
+    refuses two ranks of one communicator on one GPU); too few free GPUs is an error naming
+    the flags to change."""
+    assert free_gpus(4, set(), 2, node=0) == [0, 1]
+    assert free_gpus(4, {0, 1}, 2, node=1) == [2, 3]
+    assert free_gpus(4, {2, 3}, 2, node=2) == [0, 1]  # node 0 died: its GPUs again
+    with pytest.raises(OobleckError, match=r"local node 3 needs 2 GPU\(s\) of its own but 1 of this machine's 4 are "
+                                           r"free \(running nodes hold \[0, 1, 3\]\).*--oobleck-local-nodes"):
+        free_gpus(4, {0, 1, 3}, 2, node=3)

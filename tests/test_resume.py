@@ -27,7 +27,7 @@ SETS = ["--set", f"train.steps={STEPS}", "--set", "checkpoint.interval=4"]
 def reference(tmp_path_factory):
     """The uninterrupted one-process run of the same job."""
     tmp = tmp_path_factory.mktemp("resume-reference")
-    alone = [*job_args(tmp, "ref"), *SETS, "--set", "planner.memory_per_worker=1GB"]
+    alone = [*job_args(tmp, "ref"), *SETS, "--set", "planner.memory_per_worker=1GB", "--set", "train.device=cpu"]
     proc = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return records(tmp / "ref/metrics.jsonl")[-1]

@@ -164,3 +164,18 @@ def test_templates_deterministic_and_round_trip_json():
     b = plan_templates(synthetic_gpt(24), small_cluster(2, 36 * 2**30), **args)
     assert a == b
     assert loads(TemplateSet, dumps(a)) == a
+
+
+def test_the_default_memory_budget_keeps_headroom_on_a_gpu_and_shares_the_host_on_the_cpu():
+    from oobleck_elastic.config import PlannerConfig
+    from oobleck_elastic.planning.job import make_cluster
+
+    gib = 2**30
+    profile = dataclasses.replace(synthetic_gpt(4), device="cuda:NVIDIA H100", device_memory_bytes=80 * gib)
+    assert make_cluster(PlannerConfig(), profile, 8).memory_per_worker == 72 * gib  # a tenth kept back
+    small = dataclasses.replace(profile, device_memory_bytes=16 * gib)
+    assert make_cluster(PlannerConfig(), small, 8).memory_per_worker == 14 * gib  # at least 2 GiB
+    host = dataclasses.replace(profile, device="cpu", device_memory_bytes=24 * gib)
+    assert make_cluster(PlannerConfig(), host, 4).memory_per_worker == 6 * gib  # the RAM, shared
+    given_budget = PlannerConfig(memory_per_worker="40GiB")
+    assert make_cluster(given_budget, profile, 8).memory_per_worker == 40 * gib  # the user's word wins

@@ -8,6 +8,16 @@ The failure path reads in three files: detection and agreement are elastic/proto
 is here. Every generation record carries its instantiation and its `base`: the last generation
 every member finished building. So all workers derive the same transfers, and a generation
 whose build failed part-way is skipped: the next one is planned from its base again.
+
+Note: [orphaned run]
+    Members propose every generation, so a run whose members are all dead at once (more kills
+    than survivors, or survivors fenced) has nobody left to admit the nodes waiting to join:
+    they used to wait out elastic.join_timeout_s and the job ended with the last checkpoint on
+    disk. Instead, a ready joiner that sees every member of the newest generation dead (marked
+    by its launcher or agent, or its lease still for elastic.lease_timeout_s) proposes the next
+    generation itself once enough joiners are ready for the smallest pipeline: the newest
+    checkpoint restored on the ready joiners, exactly as survivors restore it after more than
+    f failures. Compare-and-set keeps one proposal; a joiner left out of it keeps waiting.
 """
 
 from __future__ import annotations
@@ -175,12 +185,41 @@ class Run:
             record = self.protocol.current(timeout)
             if self.me.node in record.nodes:
                 return record
-            return RunOver() if self.protocol.finished() or self.protocol.failure() else None
+            if self.protocol.finished() or self.protocol.failure():
+                return RunOver()
+            if len(self.protocol.dead(record.nodes)) == len(record.nodes):
+                # generation 0's pointer is the rendezvous's bare record: its planned one is
+                # the record (absent while the first node still plans it)
+                planned = record if record.planned else self.protocol.try_record(record.generation)
+                if planned is not None:
+                    return self._take_over(planned)  # Note: [orphaned run]
+            return None
         outcome = self.protocol.wait(f"node {self.me.node} to be admitted (elastic.join_timeout_s)", admitted, timeout)
         if isinstance(outcome, RunOver):
             self.log.warning("the run finished before this node was admitted")
             return outcome
+        if outcome.generation > 0:  # a change, reported by whoever is its rank 0 (maybe this node)
+            self.change = (outcome.generation - 1, {}, time.perf_counter())
         return Admitted(outcome)
+
+    def _take_over(self, orphaned: GenerationRecord) -> GenerationRecord | None:
+        """Every member of the newest generation is dead (Note: [orphaned run]): the ready
+        joiners propose the next generation themselves, restoring the newest checkpoint on them;
+        the record that won if it has this node, else None (it keeps waiting)."""
+        ready = self.protocol.ready_joiners((), self.max_nodes)
+        if len(ready) < self.templates.min_nodes or self.me.node not in ready:
+            return None  # too few to train yet: more may get ready within elastic.join_timeout_s
+        g, train = orphaned.generation, self.cfg.train
+        cause = f"every member of generation {g} ({list(orphaned.nodes)}) was lost"
+        try:
+            layout = plan_next(self.templates, None, alive=ready, dead=list(orphaned.nodes), step=0,
+                               checkpoint=self.checkpoints.fallback_step, global_batch=train.global_batch_size,
+                               microbatch=train.microbatch_size)
+        except NoCheckpointError as exc:
+            raise RunFailed(f"{cause}. {exc} (in {self.cfg.checkpoint.dir!r})") from exc
+        self.log.warning("%s: the nodes waiting to join restore the newest checkpoint (%s)", cause, layout.actions[0])
+        won = self.protocol.propose(GenerationRecord.next(g + 1, layout, cause), self.cfg.elastic.agreement_timeout_s)
+        return won if self.me.node in won.nodes else None
 
     # --- building -----------------------------------------------------------------------------
 
@@ -255,6 +294,10 @@ class Run:
 
     def _report_generation(self, record: GenerationRecord) -> None:
         plan = self.plan
+        if self.report and plan.rank_of(self.me) != 0:  # a node that joined ranks first now: it reports
+            self.report.flush_recovery()
+            self.report.close()
+            self.report = None
         if plan.rank_of(self.me) == 0 and self.report is None:
             self.report = RunReport(self.cfg, self.protocol, self.model.num_layers)
             if self.last_step is not None:  # rank 0 died after a commit, maybe before its line

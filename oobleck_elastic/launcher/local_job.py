@@ -23,6 +23,7 @@ from collections.abc import Callable
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import StoreUnreachable
+from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.node import with_job_settings
 from oobleck_elastic.launcher.zygote import ForkedNode, Zygote
 
@@ -137,6 +138,19 @@ def node_command(args: argparse.Namespace, cfg: JobConfig | None, endpoint: str,
             *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
 
 
+def free_gpus(count: int, held: set[int], want: int, node: int) -> list[int]:
+    """The `want` lowest GPUs of `count` that no running node holds. NCCL refuses two ranks of
+    one communicator on one GPU, so a node that cannot have GPUs of its own is an error, not a
+    GPU shared with a live node."""
+    free = [g for g in range(count) if g not in held]
+    if len(free) < want:
+        raise OobleckError(
+            f"local node {node} needs {want} GPU(s) of its own but {len(free)} of this machine's {count} are free "
+            f"(running nodes hold {sorted(held)}): start fewer local nodes (--oobleck-local-nodes, "
+            "--oobleck-add-node-at-step) or workers per node (--nproc-per-node), or set CUDA_VISIBLE_DEVICES")
+    return free[:want]
+
+
 def _gpu_count() -> int:
     import torch  # the launcher's parent (torch.distributed.run) has it loaded already
 
@@ -153,6 +167,7 @@ class LocalNodes:
         self.workers_per_node = workers_per_node
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.procs: list[ForkedNode] = []
+        self.gpus: dict[int, list[int]] = {}  # node k -> the GPUs it was given
         self.zygote = Zygote(self.env, run_id, module=NODE_PROGRAM[2])
 
     def start(self) -> int:
@@ -168,14 +183,23 @@ class LocalNodes:
 
     def _node_env(self, k: int) -> dict[str, str]:
         """Node k's environment. On a machine with GPUs (and no CUDA_VISIBLE_DEVICES of the
-        user's), node k sees its own GPUs, as a real machine's workers would: every local node's
-        worker w has LOCAL_RANK w, and two ranks of one NCCL communicator must not share a GPU
-        (runtime.devices). Nodes beyond the machine's GPUs wrap around onto used ones."""
+        user's), node k sees GPUs of its own, as a real machine's workers would: every local
+        node's worker w has LOCAL_RANK w, and two ranks of one NCCL communicator must not share
+        a GPU (runtime.devices). A node that has exited gives its GPUs back, so a replacement
+        takes the dead node's; more nodes than free GPUs is an error (free_gpus)."""
         count = _gpu_count()
         if count == 0 or "CUDA_VISIBLE_DEVICES" in self.env:
             return self.env
-        mine = [(k * self.workers_per_node + w) % count for w in range(self.workers_per_node)]
-        return {**self.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, mine))}
+        held = {g for j, gpus in self.gpus.items() if self.procs[j].poll() is None for g in gpus}
+        self.gpus[k] = free_gpus(count, held, self.workers_per_node, k)
+        return {**self.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus[k]))}
+
+    def check_gpus(self, most_nodes: int) -> None:
+        """Before any node starts: on a machine with GPUs, `most_nodes` nodes alive at once must
+        each have GPUs of their own (free_gpus)."""
+        count = _gpu_count()
+        if count and "CUDA_VISIBLE_DEVICES" not in self.env:
+            free_gpus(count, set(), most_nodes * self.workers_per_node, most_nodes - 1)
 
     def running(self) -> list[int]:
         return [k for k, p in enumerate(self.procs) if p.poll() is None]
@@ -215,6 +239,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
                        workers_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1,
                        run_id=run_id)
     procs, start_node = local.procs, local.start
+    local.check_gpus(nodes + len(args.oobleck_add_node_at_step))
 
     pending_adds = sorted(args.oobleck_add_node_at_step)
     print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "

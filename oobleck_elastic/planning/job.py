@@ -21,15 +21,27 @@ class JobPlan:
     instantiation: Instantiation
 
 
+GPU_HEADROOM_BYTES = 2 * 2**30
+"""What a GPU keeps beyond the plan's tensors (at least this, or a tenth of its memory): the CUDA
+context, NCCL's buffers for every communicator of a generation, cuBLAS workspaces and the
+caching allocator's fragmentation. A plan that budgets the whole GPU runs out of memory near
+capacity, often inside NCCL's communicator set-up."""
+
+
 def make_cluster(planner: PlannerConfig, profile: ModelProfile, workers_per_node: int,
                  memory_per_worker: int | None = None) -> Cluster:
     """The Cluster a job plans for. The per-worker memory budget is, in order: the argument, the
-    config's planner.memory_per_worker, the profiled device's memory (a GPU's own; on the CPU
-    the host's RAM shared by the node's workers)."""
+    config's planner.memory_per_worker, the profiled device's memory (on the CPU the host's RAM
+    shared by the node's workers; a GPU's own less GPU_HEADROOM)."""
     memory = memory_per_worker or planner.memory_per_worker
     if not memory and profile.device_memory_bytes:
-        shared = profile.device == "cpu"
-        memory = profile.device_memory_bytes // (workers_per_node if shared else 1)
+        total = profile.device_memory_bytes
+        if profile.device == "cpu":
+            memory = total // workers_per_node
+        elif profile.device.startswith("cuda"):
+            memory = total - max(GPU_HEADROOM_BYTES, total // 10)
+        else:
+            memory = total
     if not memory:
         raise PlanningError("the profile does not say how much memory a worker has; set "
                             "planner.memory_per_worker (e.g. --set planner.memory_per_worker=16GiB)")

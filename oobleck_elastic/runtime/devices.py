@@ -8,10 +8,16 @@ Note: [devices]
     transfers) go device to device on NCCL, CPU tensors (the step's statistics, the layer
     summaries) on gloo. A dead NCCL peer does not close a socket the way a gloo peer does:
     the survivors' kernels wait until the collective timeout (elastic.collective_timeout_s,
-    given to every group), and only NCCL's async error handling turns that into an error
-    (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, set here before the first group: "clean up only",
-    the watchdog aborts the failed communicator and the error is raised in the worker; 1 would
-    also kill the process, and a survivor must live on to rebuild). Destroying a group
+    given to every group). Two settings, both made here before the first group (a value the
+    user set is kept), turn that into an error in the worker within the timeout:
+    TORCH_NCCL_BLOCKING_WAIT=1 makes every wait() on an NCCL operation (the schedule's sends
+    and receives, the gradient all-reduces, the transfers) block the worker until the
+    operation is done or its group's timeout has passed, and then raise; without it wait()
+    returns at once, the worker blocks later in a CUDA sync of its own, for as long as the
+    watchdog takes, and an aborted all-reduce leaves partial sums behind no error, which a
+    commit could apply. TORCH_NCCL_ASYNC_ERROR_HANDLING=2 ("clean up only") lets the
+    watchdog abort the failed communicator without killing the process (torch's default, 3,
+    kills it, and 1 aborts and kills; a survivor must live on to rebuild). Destroying a group
     whose communicator is stuck would wait on it, so a generation on CUDA aborts its
     communicators instead (`abort_groups`) and never waits on the old generation.
 
@@ -58,10 +64,11 @@ def backend_for(device: torch.device) -> str:
 
 
 def prepare_backend(device: torch.device) -> None:
-    """Turns on NCCL's async error handling (clean up, raise, keep the process) before the
-    first NCCL communicator exists, so a collective that outlives the group's timeout raises
-    instead of hanging (Note: [devices]). A value the user set is kept."""
+    """Makes NCCL waits blocking and its async error handling "clean up only" before the first
+    NCCL communicator exists, so an operation that outlives its group's timeout raises in the
+    worker, which lives on (Note: [devices]). A value the user set is kept."""
     if device.type == "cuda":
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 

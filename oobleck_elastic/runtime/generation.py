@@ -336,11 +336,11 @@ class Generation:
         the norm and each tied parameter once (its canonical copy); without `grads`, the norm is 0."""
         owned = [i for i, r in self.plan.layer_owner.items() if r == self.rank] if grads else []
         copies = self.layers.model.tied_copies()
-        sq = 0.0
+        sq = torch.zeros((), dtype=torch.float64, device=self.layers.device)  # one device sync, not one a layer
         for i in owned:
             extra = {name for name, canon in copies.get(i, {}).items() if canon != (i, name)}
-            sq += float(sum(g.double().pow(2).sum() for g in self.layers[i].grads(exclude=extra)))
-        stats = torch.tensor([loss_sum, float(samples), sq, float(tokens)], dtype=torch.float64)
+            sq = sq + sum(g.double().pow(2).sum() for g in self.layers[i].grads(exclude=extra))
+        stats = torch.tensor([loss_sum, float(samples), float(sq), float(tokens)], dtype=torch.float64)
         dist.all_reduce(stats)
         return float(stats[0]), int(round(float(stats[1]))), float(stats[2]), int(round(float(stats[3])))
 

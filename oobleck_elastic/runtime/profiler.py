@@ -294,6 +294,8 @@ def _measure(spec: ModelSpec, *, microbatch_size: int, precision: str, seed: int
         layers.append(layer)
     times = _time_in_context(spec, _windows(layers, device_memory_bytes(device) // 4), first_input, target,
                              seed=seed, train=train, device=device, iterations=iterations)
+    if device.type == "cuda":  # what the layers used goes back to the GPU, for the workers the plan counts on
+        torch.cuda.empty_cache()
     layers = [dataclasses.replace(layer, forward_ms=f, backward_ms=b) for layer, (f, b) in zip(layers, times)]
     return ModelProfile(signature="", microbatch_size=microbatch_size,
                         dtype=_profile_name(precision), device=_device_name(device), torch_version=torch.__version__,
