@@ -327,6 +327,11 @@ class Protocol:
                 absent = sorted(set(members) - present)
                 for node in absent:
                     if self.store.try_get_json(f"nodes/{node}/dead") is None:
+                        # who marked whom, and on what evidence: a mark is final (see above)
+                        seen = self._seen.get(node)
+                        logger.warning("[node %d] roll call of generation %d: node %d missed it (lease %s, "
+                                       "unchanged for %.2f s here); marking it dead", me[0], generation, node,
+                                       seen[0] if seen else None, self.clock() - seen[1] if seen else -1.0)
                         self.mark_dead(node, f"missed the roll call of generation {generation}")
                 return sorted(present), absent
             self.sleep(max(0.005, self.store.poll_s))
