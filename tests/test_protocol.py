@@ -242,6 +242,18 @@ def test_the_roll_call_ends_at_its_timeout_and_marks_the_absent_dead(store, cloc
     assert 5.0 < clock.now < 5.1 and store.try_get_json("nodes/1/dead") is not None
 
 
+def test_a_stale_worker_woken_past_its_roll_call_marks_nobody(store, clock):
+    # node 0 hung through its roll call of generation 3 and was marked dead by the others, who
+    # moved on (the keys of that roll call are gone); woken past the deadline it is fenced, and
+    # must not mark the live node 1 dead for missing a roll call it answered long ago (two chaos
+    # runs lost their last survivors to such marks)
+    p = protocol(store, clock)
+    clock.every(0.2, lambda: store.add("lease/1", 1), until=60)
+    p.mark_dead(0, "missed the roll call of generation 3")
+    assert p.roll_call(3, (0, 0), [0, 1], 1, timeout=5.0, suspect_after=0.5) == ([], [0, 1])
+    assert store.try_get_json("nodes/1/dead") is None
+
+
 def test_a_node_marked_dead_by_another_roll_call_is_dead_even_if_it_answers(store, clock):
     # survivor A's roll call took node 2 for dead (late on a loaded machine) while survivor B's
     # saw it and won the proposal: every build with node 2 aborts on its mark, so the next roll

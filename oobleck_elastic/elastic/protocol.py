@@ -325,7 +325,11 @@ class Protocol:
             dead = self.dead(set(members) - present, timeout=suspect_after)
             if present | dead == set(members) or self.clock() > deadline:
                 absent = sorted(set(members) - present)
-                for node in absent:
+                # A worker whose own node is not among those present (marked dead while it hung,
+                # its check-in cleared since) is stale: it is fenced, and marks nobody. Woken
+                # past its deadline, it would otherwise mark every live node dead, whose keys
+                # of this old roll call are gone (two chaos runs lost their last survivors so).
+                for node in absent if me[0] in present else ():
                     if self.store.try_get_json(f"nodes/{node}/dead") is None:
                         # who marked whom, and on what evidence: a mark is final (see above)
                         seen = self._seen.get(node)
