@@ -1,4 +1,4 @@
-"""The cost model against a discrete-event simulation of torch's Schedule1F1B."""
+"""The cost model against a discrete-event simulation of torch's Schedule1F1B (rendezvous messages)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ def test_simulation_of_a_hand_checked_schedule():
     assert simulate_1f1b([1, 10], [1, 10], [0.0], 4) == 82
     # Slow first stage: never idle, so exactly M * w_0.
     assert simulate_1f1b([10, 1], [10, 1], [0.0], 4) == 80
+
+
+@pytest.mark.parametrize("send", [0.5, 1.0, 3.0])
+def test_every_microbatch_waits_for_an_exchange_with_each_neighbour(send):
+    # torch waits for each send with the next receive, and a send completes only once its
+    # receiver has posted (gloo): two balanced stages pay one exchange per microbatch, plus the
+    # first activation's way down: (M + 1) * (w + c), which the model gives exactly
+    f, b, m = 5.0, 10.0, 16
+    assert simulate_1f1b([f, f], [b, b], [send], m) == pytest.approx((m + 1) * (f + b + send), rel=1e-12)
+    assert iteration_ms([f + b] * 2, [f] * 2, [send], m) == pytest.approx((m + 1) * (f + b + send), rel=1e-12)
+    # a middle stage exchanges with both neighbours: two per microbatch
+    three = simulate_1f1b([f] * 3, [b] * 3, [send] * 2, m)
+    assert three - simulate_1f1b([f] * 3, [b] * 3, [0.0] * 2, m) >= 2 * (m - 1) * send
+    assert iteration_ms([f + b] * 3, [f] * 3, [send] * 2, m) <= three
 
 
 @settings(max_examples=300, deadline=None)

@@ -6,24 +6,34 @@ Note: [cost model]
     the number of workers it spans: 1 in executable plans). Between stage k and k+1 each
     microbatch sends its activation forward and its gradient back, each costing
     c_k = latency + output_bytes(last layer of stage k) / bandwidth (intra-node bandwidth when
-    both stages sit on one node, inter-node otherwise); transfers overlap compute.
+    both stages sit on one node, inter-node otherwise); c_{-1} = c_{S-1} = 0.
 
-        T(M) = max_k [ A_k + M * w_k + bubble_k ]
+    Transfers do not overlap compute. torch posts each send together with the next receive
+    from the same neighbour and waits for both before computing again, and a send completes
+    only once its receiver has posted the matching receive (gloo; NCCL beyond its small eager
+    messages). So every microbatch costs stage k one exchange with each neighbour:
+    e_k = c_{k-1} + c_k on top of w_k (first and last stages one exchange, middle stages two).
+
+        T(M) = max_k [ A_k + M * w_k + (M - 1) * e_k + bubble_k ]
         A_k      = sum_{i<k} (w_i + 2 c_i)                       fill and drain above stage k
-        bubble_k = max(0, D_k + 2 c_k - (S - k - 1) * f_k)        first-gradient wait
+        bubble_k = max(c_k, D_k + 2 c_k - (S - k - 1)(f_k + c_{k-1}))   first-gradient wait
+                   (0 for the last stage)
         D_k      = sum_{i>k} w_i                                  compute below stage k
 
     Stage k cannot start before the first microbatch has crossed the stages above it, must
-    then do M forward and backward passes, and the last gradient has to travel back up: A_k +
-    M w_k. Its first backward also waits for microbatch 0 to go down to the last stage and
-    back (D_k + 2 c_k at least), of which its S - k - 1 extra warm-up forwards hide
-    (S - k - 1) f_k: that wait is bubble_k. Every term is a lower bound on the schedule's
-    length, so T never exceeds a discrete-event simulation of Schedule1F1B (`simulate.py`)
+    then do M forward and backward passes and wait on M exchanges with each neighbour, and the
+    last gradient has to travel back up: A_k + M w_k + M e_k, less the first exchange with the
+    stage above (part of the fill) and the first with the stage below, which is the first-
+    gradient wait: microbatch 0 goes down to the last stage and back (D_k + 2 c_k at least),
+    of which the S - k - 1 extra warm-up forwards (each with its exchange above) hide
+    (S - k - 1)(f_k + c_{k-1}), and it is an exchange, so at least c_k: that wait is
+    bubble_k. Every term is a lower bound on the schedule's length, so T never exceeds a
+    discrete-event simulation of torch's Schedule1F1B with rendezvous messages (`simulate.py`)
     and equals it for balanced stages without transfer time. What it leaves out is queueing
-    behind other stages' warm-up and transfers limiting the steady state; on planned splits of
-    transformer-shaped profiles the simulation is within 10% (tests/test_cost_model.py). Every term
-    depends on one stage's layers, its position and the stages above it, which is what makes
-    the template search exact (templates.py).
+    behind other stages' warm-up and transfers; on planned splits of transformer-shaped
+    profiles the simulation is within 10% (tests/test_cost_model.py). Every term depends on
+    one stage's layers, its position, its boundary with the stage above and the stages above
+    it, which is what makes the template search exact (templates.py).
 
     After its last backward, stage k sums its gradients with the same layers' replicas in the
     other P - 1 pipelines and steps its optimizer: tail_k = ring(P) * g_k + o_k, where g_k is
@@ -31,7 +41,7 @@ Note: [cost model]
     the bytes) and o_k the profiled optimizer step of its layers. Stage 0 finishes its
     backward last, but a later stage with more parameters can finish its tail later, so
 
-        T(M) = max_k [ A_k + M * w_k + bubble_k + tail_k ]
+        T(M) = max_k [ A_k + M * w_k + (M - 1) * e_k + bubble_k + tail_k ]
 
     (the runtime starts every all-reduce only after its own schedule ends; the optimizer
     steps after the step's statistics are summed world-wide, so o_k could wait for a slower
@@ -45,7 +55,8 @@ Note: [cost model]
 
 Note: [interleaved cost model]
     Under ScheduleInterleaved1F1B a pipeline of P workers runs v*P stages, stage k on worker
-    k mod P. Worker p does M * W_p work (W_p: the compute of its v stages) and the fill/drain
+    k mod P. Worker p does M * W_p work (W_p: the compute of its v stages and each one's
+    exchanges with its neighbours, w_k + e_k, as in the 1F1B model) and the fill/drain
     bubble shrinks to about (P - 1) stage times instead of (P - 1) worker times (Narayanan et
     al., 2021):
 
@@ -70,7 +81,7 @@ import numpy as np
 from oobleck_elastic.planning.profile import ModelProfile
 
 __all__ = ["Cluster", "CostTables", "interleaved_in_flight", "interleaved_iteration_ms", "iteration_ms",
-           "ring_factor", "stage_leads", "stage_tails", "stage_times"]
+           "ring_factor", "stage_cycles", "stage_leads", "stage_tails", "stage_times"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,16 +118,31 @@ def ring_factor(participants: int) -> float:
     return 2 * (participants - 1) / participants if participants > 1 else 0.0
 
 
+def _boundaries(num_stages: int, send_ms: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(c_{k-1}, c_k) of each stage, 0 where it has no neighbour."""
+    up = [send_ms[k - 1] if k > 0 else 0.0 for k in range(num_stages)]
+    down = [send_ms[k] if k < num_stages - 1 else 0.0 for k in range(num_stages)]
+    return up, down
+
+
+def stage_cycles(stage_ms: Sequence[float], send_ms: Sequence[float]) -> list[float]:
+    """w_k + e_k of each stage: its compute and exchanges per microbatch (Note: [cost model])."""
+    up, down = _boundaries(len(stage_ms), send_ms)
+    return [w + a + b for w, a, b in zip(stage_ms, up, down)]
+
+
 def stage_leads(stage_ms: Sequence[float], forward_ms: Sequence[float],
                 send_ms: Sequence[float]) -> list[float]:
-    """A_k + bubble_k of each stage: T(M) = max_k (lead_k + M * w_k)."""
+    """A_k + bubble_k - e_k of each stage: T(M) = max_k (lead_k + M * (w_k + e_k))."""
     num_stages = len(stage_ms)
+    up, down = _boundaries(num_stages, send_ms)
     leads, ahead, below = [], 0.0, sum(stage_ms)
     for k, w in enumerate(stage_ms):
         below -= w
-        send = send_ms[k] if k < num_stages - 1 else 0.0
-        leads.append(ahead + max(0.0, below + 2 * send - (num_stages - k - 1) * forward_ms[k]))
-        ahead += w + 2 * send
+        bubble = (max(down[k], below + 2 * down[k] - (num_stages - k - 1) * (forward_ms[k] + up[k]))
+                  if k < num_stages - 1 else 0.0)
+        leads.append(ahead + bubble - up[k] - down[k])
+        ahead += w + 2 * down[k]
     return leads
 
 
@@ -125,8 +151,9 @@ def iteration_ms(stage_ms: Sequence[float], forward_ms: Sequence[float], send_ms
     """T(M) of the cost model (see Note: [cost model]); tail_ms: each stage's gradient
     all-reduce and optimizer step (none when omitted)."""
     leads = stage_leads(stage_ms, forward_ms, send_ms)
+    cycles = stage_cycles(stage_ms, send_ms)
     tails = tail_ms if tail_ms is not None else [0.0] * len(stage_ms)
-    return max(lead + microbatches * w + t for lead, w, t in zip(leads, stage_ms, tails))
+    return max(lead + microbatches * c + t for lead, c, t in zip(leads, cycles, tails))
 
 
 def interleaved_iteration_ms(stage_ms: Sequence[float], send_ms: Sequence[float], positions: int,
@@ -134,7 +161,8 @@ def interleaved_iteration_ms(stage_ms: Sequence[float], send_ms: Sequence[float]
     """T(M) of `positions` workers running stage k on worker k mod positions (see Note:
     [interleaved cost model]); send_ms has one entry per stage, 0 for the last; tail_ms: each
     stage's all-reduce and optimizer step (summed per worker; none when omitted)."""
-    per_worker = [sum(stage_ms[p::positions]) for p in range(positions)]
+    cycles = stage_cycles(stage_ms, send_ms[:-1])
+    per_worker = [sum(cycles[p::positions]) for p in range(positions)]
     fill = max(w + 2 * c for w, c in zip(stage_ms, send_ms))
     tail = max(sum(tail_ms[p::positions]) for p in range(positions)) if tail_ms is not None else 0.0
     return microbatches * max(per_worker) + (positions - 1) * fill + tail
@@ -188,8 +216,9 @@ class CostTables:
         self.static = static[None, :] - static[:, None]
         self.activation = act[None, :] - act[:, None]
         out = np.array([0.0] + [float(x.output_bytes) for x in layers])
-        # send_ms[cross][e]: cost of sending the output of layer e-1 (a stage ending at e).
-        self.send_ms = {cross: np.array([np.inf] + [cluster.transfer_ms(b, cross) for b in out[1:]])
+        # send_ms[cross][e]: one message across the output of layer e-1 (a stage ending at e);
+        # 0 at e = 0, which bounds no stage
+        self.send_ms = {cross: np.array([0.0] + [cluster.transfer_ms(b, cross) for b in out[1:]])
                         for cross in (False, True)}
         self.upper = np.triu(np.ones_like(self.compute, dtype=bool), k=1)
         grads = np.concatenate([[0.0], np.cumsum([float(x.grad_bytes) for x in layers])])

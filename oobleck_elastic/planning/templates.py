@@ -7,11 +7,13 @@ template spans the same width g (a divisor of G), S = n * G / g, and compute and
 by g (ideal intra-stage sharding); those plans are for dry runs at scale.
 
 The optimum is exact: with stage positions fixed, the suffix value
-    V_j(l) = min_e max( M w(l, e) + bubble_j(l, e),  w(l, e) + 2 c_j(e) + V_{j+1}(e) )
-is the best max_{k>=j}(A_k - A_j + M w_k + bubble_k) over splits of layers [l, L) into stages
-j..S-1 (bubble_j depends only on the stage's own layers and position, and on the compute below
-it, which is the sum of the layers after e whatever their split), and `max(a, b + x)` is
-monotone in x, so optimal suffixes compose into the optimal whole (Bellman).
+    V_j(l) = min_e max( own_j(l, e),  w(l, e) + 2 c_j(e) + V_{j+1}(e) ),
+    own_j(l, e) = M w(l, e) + (M - 1)(c_{j-1}(l) + c_j(e)) + bubble_j(l, e) + tail(l, e)
+is the best max_{k>=j}(A_k - A_j + own_k) over splits of layers [l, L) into stages j..S-1
+(own_j depends only on the stage's own layers, its position, the boundary above it, which is
+layer l - 1's output, and the compute below it, which is the sum of the layers after e whatever
+their split), and `max(a, b + x)` is monotone in x, so optimal suffixes compose into the
+optimal whole (Bellman).
 Memory is a per-stage constraint that only depends on (j, l, e), so it prunes transitions.
 The DP runs over numpy matrices of layer ranges: O(S * L^2) per template.
 
@@ -36,6 +38,7 @@ from oobleck_elastic.planning.cost import (
     interleaved_iteration_ms,
     iteration_ms,
     ring_factor,
+    stage_cycles,
     stage_leads,
     stage_tails,
     stage_times,
@@ -142,9 +145,10 @@ class PipelineTemplate:
             tail = max(tails[p::self.positions].sum() for p in range(self.positions))
             t = m * per_worker + (self.positions - 1) * fill + tail
         else:
-            leads = np.array(stage_leads(list(compute), [s.forward_ms for s in self.stages],
-                                         [s.send_ms for s in self.stages[:-1]])) + tails
-            t = (leads[:, None] + m[None, :] * compute[:, None]).max(axis=0) if m.size else m
+            sends = [s.send_ms for s in self.stages[:-1]]
+            leads = np.array(stage_leads(list(compute), [s.forward_ms for s in self.stages], sends)) + tails
+            cycles = np.array(stage_cycles(list(compute), sends))
+            t = (leads[:, None] + m[None, :] * cycles[:, None]).max(axis=0) if m.size else m
         if self.virtual_stages == 1:
             return t
         valid = np.array([self.runs_microbatches(int(x)) for x in m], dtype=bool)
@@ -239,21 +243,26 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
     forward = tables.forward / width
     below = tables.below[None, :] / width
     budget = cluster.memory_per_worker * width / virtual_stages
-    # a stage's own term: its microbatches, then its all-reduce and optimizer step (Note:
-    # [cost model]); with interleaving the split is the 1F1B one, tails included
+    # a stage's own term: its microbatches and their exchanges with its neighbours, then its
+    # all-reduce and optimizer step (Note: [cost model]); with interleaving the split is the
+    # 1F1B one, tails included
     big_m = microbatches * compute + tables.tail(pipelines, width)
+    exchanges = microbatches - 1
     value = np.full(num_layers + 1, np.inf)
     choices: list[np.ndarray] = []
     for j in reversed(range(num_stages)):
         fits = tables.upper & (tables.static + (num_stages - j) * tables.activation <= budget)
+        # c_{j-1}(l): the exchange with the stage above, across the output of layer l - 1
+        up = tables.send_ms[_crosses(j - 1, positions, width, g)][:, None] if j > 0 else 0.0
         if j == num_stages - 1:
-            cost = np.where(fits[:, num_layers], big_m[:, num_layers], np.inf)
+            own = big_m + exchanges * up
+            cost = np.where(fits[:, num_layers], own[:, num_layers], np.inf)
             choice = np.full(num_layers + 1, num_layers)
         else:
-            cross = ((j % positions) * width) // g != (((j + 1) % positions) * width) // g
-            send = 2 * tables.send_ms[cross][None, :]
-            bubble = np.maximum(0.0, below + send - (num_stages - j - 1) * forward)
-            total = np.maximum(big_m + bubble, compute + send + value[None, :])
+            down = tables.send_ms[_crosses(j, positions, width, g)][None, :]
+            bubble = np.maximum(down, below + 2 * down - (num_stages - j - 1) * (forward + up))
+            own = big_m + exchanges * (up + down) + bubble
+            total = np.maximum(own, compute + 2 * down + value[None, :])
             total = np.where(fits, total, np.inf)
             choice = np.argmin(total, axis=1)
             cost = total[np.arange(num_layers + 1), choice]
@@ -265,6 +274,12 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
     for choice in reversed(choices):
         bounds.append(int(choice[bounds[-1]]))
     return bounds
+
+
+def _crosses(boundary: int, positions: int, width: int, workers_per_node: int) -> bool:
+    """Whether stages `boundary` and `boundary + 1` sit on different nodes."""
+    return ((boundary % positions) * width) // workers_per_node != \
+        (((boundary + 1) % positions) * width) // workers_per_node
 
 
 def plan_template(profile: ModelProfile, cluster: Cluster, nodes: int, microbatches: int, *,
