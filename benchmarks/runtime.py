@@ -2,14 +2,20 @@
 
     python benchmarks/runtime.py [--steps 12] [--workers 4] [--bandwidth GB/s]
 
-Both run in the same worker processes, alternating rounds, on the same homogeneous layout
-(2 pipelines x W/2 stages of the GPT example): the baseline is Schedule1F1B plus one
-all-reduce of each stage's flattened gradients across the pipelines and one AdamW per stage.
-Prints the median steady-state step time of each and the ratio (goal: ours within 5%). Then it
-profiles the model here (forward, backward and optimizer step per layer), measures the link
-between two worker processes (a gloo all-reduce of the model's gradients), plans heterogeneous
-layouts and prints, for every layout, the measured step time beside the cost model's estimate
-(pipeline schedule + gradient all-reduce across pipelines + optimizer step) and the error.
+Both run in the same worker processes, alternating rounds, on the same homogeneous layouts of
+the GPT example (2 pipelines x W/2 stages, and 1 pipeline x W stages): the baseline is
+Schedule1F1B plus one all-reduce of each stage's flattened gradients across the pipelines and
+one AdamW per stage.
+Prints the median steady-state step time of each and the ratio (goal: ours within 5%). It also
+measures the link between two worker processes (bandwidth: a gloo all-reduce of the model's
+gradients; latency: a gloo exchange of one activation each way, as torch's schedule pairs its
+sends and receives), plans heterogeneous layouts and prints, for every layout, the measured
+step time beside the cost model's estimate (pipeline schedule with its exchanges + gradient
+all-reduce across pipelines + optimizer step) and the error. The estimate re-times each
+layout's split with profiles (forward, backward and optimizer step per layer) that the workers
+take at the start of every round, --workers of them at once: this shared machine's speed
+drifts by 15% and more between minutes, and workers computing at once share its memory
+bandwidth, so a profile taken alone before the run is not the machine the steps ran on.
 The goals hold where each worker has a core of its own: with more workers than cores they
 take turns on the cores, which no cost model of a GPU cluster predicts, so the verdict line
 counts only the layouts that fit this machine.
@@ -106,7 +112,22 @@ def _ours_steps(rank, plan, cfg, spec, data, steps, store):
     return times
 
 
-def _worker(rank, world, port, layouts, steps, rounds, queue):
+def _profile_together(rank, store, key, profilers, microbatch_size):
+    """The model's profile on this worker, started with the other profiling workers: the
+    workers of a layout compute at the same time and share this machine's memory bandwidth
+    and caches, and the machine's speed drifts, so the profile is taken beside each round."""
+    from oobleck_elastic.runtime.profiler import profile_model
+
+    store.add(key, 1)
+    deadline = time.monotonic() + 300
+    while store.add(key, 0) < profilers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other profiling workers did not start within 300 s")
+        time.sleep(0.01)
+    return profile_model(gpt_model(MODEL), microbatch_size=microbatch_size, precision="fp32", iterations=10)
+
+
+def _worker(rank, world, port, layouts, steps, rounds, profilers, queue):
     torch.set_num_threads(1)
     cfg = _cfg(steps)
     spec = gpt_model(MODEL)
@@ -115,9 +136,15 @@ def _worker(rank, world, port, layouts, steps, rounds, queue):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1200))
     timeout = datetime.timedelta(seconds=120)
     results = []
-    runs = [(name, plan, r, kind) for name, plan in layouts for r in range(rounds)
-            for kind in (("baseline", "ours") if name == "homogeneous" else ("ours",))]
+    runs = [run for r in range(rounds) for run in [("profile", None, r, "profile")] + [
+        (name, plan, r, kind) for name, plan in layouts
+        for kind in (("baseline", "ours") if name.endswith(" stages") else ("ours",))]]
+    profiles = []
     for gen, (name, plan, r, kind) in enumerate(runs):
+        if kind == "profile":
+            if rank < profilers:
+                profiles.append(_profile_together(rank, store, f"profile{r}", profilers, cfg.train.microbatch_size))
+            continue
         if rank >= len(plan.members):
             continue  # layouts smaller than the process count leave the rest idle
         sub = dist.PrefixStore(f"bench{gen}", store)
@@ -129,7 +156,7 @@ def _worker(rank, world, port, layouts, steps, rounds, queue):
         else:
             times = _ours_steps(rank, dataclasses.replace(plan, generation=gen), cfg, spec, data, steps, sub)
         results.append((name, kind, r, times[2:]))  # the first steps infer shapes
-    queue.put((rank, results))
+    queue.put((rank, results, profiles))
 
 
 def _bandwidth_worker(rank, port, numel, queue):
@@ -148,22 +175,77 @@ def _bandwidth_worker(rank, port, numel, queue):
     queue.put(statistics.median(times))
 
 
-def measure_bandwidth(grad_bytes: int) -> float:
-    """GB/s of a gloo all-reduce of `grad_bytes` between two processes on this machine, in the
-    cost model's terms (ring form: with 2 participants each sends its bytes once): the link
-    the benchmark's pipelines really have, where the planner's default assumes a 100 Gb/s
-    network."""
+def mean_profile(profiles):
+    """One profile whose layer times are the mean of these profiles' (same model and key)."""
+    def mean(values):
+        return sum(values) / len(values)
+
+    layers = tuple(dataclasses.replace(layer, forward_ms=mean([q.layers[i].forward_ms for q in profiles]),
+                                       backward_ms=mean([q.layers[i].backward_ms for q in profiles]),
+                                       optimizer_ms=mean([q.layers[i].optimizer_ms for q in profiles]))
+                   for i, layer in enumerate(profiles[0].layers))
+    return dataclasses.replace(profiles[0], layers=layers)
+
+
+def predicted_ms(plan, profile, cluster) -> float:
+    """The cost model's step for this layout, its templates' splits re-timed with `profile`."""
+    from oobleck_elastic.planning import template_from_bounds
+
+    inst, by_nodes = plan.instantiation, plan.templates.by_nodes()
+    worst = 0.0
+    for pipeline in inst.pipelines:
+        t = by_nodes[pipeline.template]
+        again = template_from_bounds(profile, cluster, t.nodes, t.bounds(), t.microbatches, t.virtual_stages,
+                                     t.pipelines)
+        worst = max(worst, again.iteration_ms_at(pipeline.microbatches, len(inst.pipelines)))
+    return worst
+
+
+def _exchange_worker(rank, port, numel, queue):
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore("exchange", store), rank=rank, world_size=2)
+    out, into = torch.ones(numel), torch.empty(numel)
+    times = []
+    for i in range(60):
+        start = time.perf_counter()
+        # torch's Schedule1F1B fuses a send with the next receive from the same neighbour
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, 1 - rank), dist.P2POp(dist.irecv, into, 1 - rank)]):
+            work.wait()
+        if i >= 10:
+            times.append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    queue.put(statistics.median(times))
+
+
+def _two_workers(target, numel: int) -> float:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=120))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_bandwidth_worker, args=(r, server.port, grad_bytes // 4, queue)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, server.port, numel, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
     seconds = max(queue.get(timeout=300) for _ in procs)
     for proc in procs:
         proc.join(60)
-    return grad_bytes / seconds / 1e9
+    return seconds
+
+
+def measure_latency_us(message_bytes: int, bandwidth: float) -> float:
+    """The link latency (us) in the cost model's terms: a gloo exchange of one activation each
+    way between two processes on this machine (as torch's schedule pairs them), less its bytes
+    over `bandwidth` GB/s."""
+    seconds = _two_workers(_exchange_worker, message_bytes // 4)
+    return max(0.0, seconds - message_bytes / (bandwidth * 1e9)) * 1e6
+
+
+def measure_bandwidth(grad_bytes: int) -> float:
+    """GB/s of a gloo all-reduce of `grad_bytes` between two processes on this machine, in the
+    cost model's terms (ring form: with 2 participants each sends its bytes once): the link
+    the benchmark's pipelines really have, where the planner's default assumes a 100 Gb/s
+    network."""
+    return grad_bytes / _two_workers(_bandwidth_worker, grad_bytes // 4) / 1e9
 
 
 def main() -> int:
@@ -175,6 +257,9 @@ def main() -> int:
                         "than 4 cores, so each worker has a core of its own)")
     p.add_argument("--bandwidth", type=float, default=None,
                    help="GB/s between workers for the cost model (default: measured here, a gloo all-reduce)")
+    p.add_argument("--latency-us", type=float, default=None,
+                   help="link latency between workers for the cost model (default: measured here, a gloo "
+                        "exchange of one activation each way, less its bytes over the bandwidth)")
     args = p.parse_args()
     from oobleck_elastic.planning import build_instantiation, plan_templates
     from oobleck_elastic.planning.job import make_cluster
@@ -184,10 +269,13 @@ def main() -> int:
     cfg = _cfg(args.steps)
     spec = gpt_model(MODEL)
     torch.set_num_threads(1)  # as each worker runs
-    # 20 passes: a median of 5 moved by up to 14% between runs on this shared machine
-    profile = profile_model(spec, microbatch_size=cfg.train.microbatch_size, precision="fp32", iterations=20)
+    # for the splits only: the predictions use the profiles the workers take beside each round
+    profile = profile_model(spec, microbatch_size=cfg.train.microbatch_size, precision="fp32", iterations=10)
     bandwidth = args.bandwidth or measure_bandwidth(sum(layer.grad_bytes for layer in profile.layers))
-    cfg = dataclasses.replace(cfg, planner=dataclasses.replace(cfg.planner, inter_node_bandwidth=bandwidth))
+    latency = (args.latency_us if args.latency_us is not None else
+               measure_latency_us(max(layer.output_bytes for layer in profile.layers), bandwidth))
+    cfg = dataclasses.replace(cfg, planner=dataclasses.replace(cfg.planner, inter_node_bandwidth=bandwidth,
+                                                               link_latency_us=latency))
     cluster = make_cluster(cfg.planner, profile, 1)
     ts = plan_templates(profile, cluster, max_nodes=args.workers + 2, fault_tolerance=0,
                         total_microbatches=cfg.train.num_microbatches)
@@ -202,23 +290,27 @@ def main() -> int:
                                    cfg.train.microbatch_size)
         return GenerationPlan(generation=0, start_step=0, workers_per_node=1, instantiation=inst, templates=templates)
 
-    # the baseline splits layers evenly; give ours the same split so only the runtime differs
-    even = [k * (spec.num_layers // half) for k in range(half)] + [spec.num_layers]
     from oobleck_elastic.planning import template_from_bounds
 
-    same = template_from_bounds(profile, cluster, half, even, ts.get(half).microbatches)
-    ts_even = dataclasses.replace(ts, templates=tuple(same if t.nodes == half else t for t in ts.templates))
-    homogeneous = layout([half, half], ts_even)
+    def even(stages):
+        """The baseline splits layers evenly; ours gets the same split so only the runtime differs."""
+        bounds = [k * (spec.num_layers // stages) for k in range(stages)] + [spec.num_layers]
+        same = template_from_bounds(profile, cluster, stages, bounds, ts.get(stages).microbatches)
+        return dataclasses.replace(ts, templates=tuple(same if t.nodes == stages else t for t in ts.templates))
+
+    compared = [(f"2 x {half} stages", layout([half, half], even(half))),
+                (f"1 x {args.workers} stages", layout([args.workers], even(args.workers)))]
     # 1+1 and 2 use no more workers than this machine's 2 cores: the cost model's own conditions
     hetero = [("pipelines " + "+".join(map(str, sizes)), layout(sizes))
               for sizes in ([1, 1], [2], [2, 3], [1, 2, 3]) if sum(sizes) <= 6]
-    layouts = [("homogeneous", homogeneous), *hetero]
+    layouts = [*compared, *hetero]
     world = max(len(pl.members) for _, pl in layouts)
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=1200))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, server.port, layouts, args.steps, args.rounds, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world, server.port, layouts, args.steps, args.rounds,
+                                                     args.workers, queue))
              for r in range(world)]
     for proc in procs:
         proc.start()
@@ -236,26 +328,33 @@ def main() -> int:
         proc.join(60)
     # a step's time is the slowest rank's
     by_key: dict[tuple[str, str, int], list[list[float]]] = {}
-    for _, rows in results:
+    for _, rows, _ in results:
         for name, kind, r, times in rows:
             by_key.setdefault((name, kind, r), []).append(times)
     step_times = {k: [max(ts_) for ts_ in zip(*v)] for k, v in by_key.items()}
     med = {}
     for (name, kind, _), times in step_times.items():
         med.setdefault((name, kind), []).extend(times)
-    base = statistics.median(med[("homogeneous", "baseline")])
-    ours = statistics.median(med[("homogeneous", "ours")])
-    print(f"homogeneous 2 x {half} stages, {args.rounds} alternating rounds x {args.steps - 2} steps:")
-    print(f"  baseline (plain pipelining + one all-reduce per stage): {base * 1e3:8.1f} ms/step")
-    print(f"  oobleck runtime:                                         {ours * 1e3:8.1f} ms/step")
-    print(f"  ratio ours/baseline: {ours / base:.3f} (goal <= 1.05)")
+    print(f"steady state against plain pipelining + one all-reduce per stage, {args.rounds} alternating "
+          f"rounds x {args.steps - 2} steps:")
+    for name, _ in compared:
+        base = statistics.median(med[(name, "baseline")])
+        ours = statistics.median(med[(name, "ours")])
+        print(f"  {name:18s} baseline {base * 1e3:8.1f} ms/step, ours {ours * 1e3:8.1f} ms/step, "
+              f"ratio ours/baseline {ours / base:.3f} (goal <= 1.05)")
     print(f"cost model (pipelines, gradient all-reduce over {cfg.planner.inter_node_bandwidth:.2f} GB/s "
-          f"({'given' if args.bandwidth else 'measured: gloo all-reduce here'}), "
+          f"({'given' if args.bandwidth else 'measured: gloo all-reduce here'}), link latency "
+          f"{cfg.planner.link_latency_us:.0f} us ({'given' if args.latency_us is not None else 'measured: gloo exchange here'}), "
           f"optimizer step) against measured, {os.cpu_count()} cores for up to {world} workers:")
+    taken = [q for _, _, profiles in results for q in profiles]
+    beside = mean_profile(taken)
+    print(f"  profile: the mean of {len(taken)} taken by {args.workers} workers at once beside the rounds, "
+          f"{sum(x.compute_ms for x in beside.layers):.1f} ms forward + backward per microbatch "
+          f"(one process alone before the run: {sum(x.compute_ms for x in profile.layers):.1f} ms)")
     errors, fair = [], []
     for name, plan in layouts:
         measured = statistics.median(med[(name, "ours")]) * 1e3
-        predicted = plan.instantiation.iteration_ms
+        predicted = predicted_ms(plan, beside, cluster)
         errors.append(abs(predicted - measured) / measured)
         tail = max(s.tail_ms(len(plan.instantiation.pipelines)) for t in plan.templates.templates
                    if t.nodes in {p.template for p in plan.instantiation.pipelines} for s in t.stages)

@@ -140,7 +140,8 @@ class PipelineTemplate:
         compute = np.array([s.compute_ms for s in self.stages])
         tails = np.array(self.tails(pipelines))
         if self.virtual_stages > 1:
-            per_worker = max(compute[p::self.positions].sum() for p in range(self.positions))
+            cycles = np.array(stage_cycles(list(compute), [s.send_ms for s in self.stages[:-1]]))
+            per_worker = max(cycles[p::self.positions].sum() for p in range(self.positions))
             fill = max(s.compute_ms + 2 * s.send_ms for s in self.stages)
             tail = max(tails[p::self.positions].sum() for p in range(self.positions))
             t = m * per_worker + (self.positions - 1) * fill + tail
