@@ -15,9 +15,9 @@ Note: [recovery cost]
     More failures than replicas fall back to the newest checkpoint: detect + teardown + agree +
     `restore`, and the steps since the checkpoint are run again.
 
-    `step_overhead_s` is what a step costs beyond the cost model's 1F1B iteration time (the
-    commit in the store, the gradient all-reduce across replicas, the optimizer, logging,
-    checkpoint writes averaged over the steps): the mean gap between consecutive step records
+    `step_overhead_s` is what a step costs beyond the cost model's iteration time (the commit
+    in the store, logging, checkpoint writes averaged over the steps, and whatever else of the
+    step the model misses): the mean gap between consecutive step records
     minus the cost model's time for that generation's layout. Fitting it needs the job's
     profile and planner settings; without them it stays 0.
 
