@@ -76,3 +76,49 @@ def test_metrics_log_reads_back_whole_records_only(tmp_path):
     assert read_records(str(tmp_path / "none.jsonl"), missing_ok=True) == []
     with pytest.raises(FileNotFoundError):
         read_records(str(tmp_path / "none.jsonl"))
+
+
+def test_a_new_reporter_keeps_the_runs_earlier_steps_for_its_throughput_figure(tmp_path):
+    """Rank 0 dies at step 3 and another worker reports on: its throughput figure covers steps
+    0-3 of this run and the recovery, not just the steps since the hand-over, and leaves out
+    another run's records in the same log."""
+    cfg = load_config(None, [f"monitoring.metrics_path={tmp_path / 'm.jsonl'}",
+                             f"monitoring.tensorboard_dir={tmp_path / 'tb'}", "train.steps=5"])
+    ts = templates_for(4, 2)
+
+    def plan(generation, start):
+        return GenerationPlan(generation=generation, start_step=start, workers_per_node=1, templates=ts,
+                              instantiation=build_instantiation([ts.get(1), ts.get(1)], [(0,), (1,)], 32, 4))
+
+    def stats(step, seconds):
+        return StepStats(step=step, loss=1.0, samples=32, grad_norm=0.1, seconds=seconds, tokens=64, lr=None)
+
+    mirror = Protocol(host_store("127.0.0.1", 0, "handover"))
+    earlier = RunReport(cfg, mirror, 4, "old")  # an earlier job that logged to the same path
+    earlier.generation(plan(0, 0), ts)
+    earlier.step(stats(0, 4.0), plan(0, 0))
+    earlier.close()
+    first = RunReport(cfg, mirror, 4, "run")
+    first.generation(plan(0, 0), ts)
+    for step in range(3):
+        first.step(stats(step, 0.5), plan(0, 0))
+    first.recovery(plan=plan(1, 2), record={"cause": "lost"}, first_generation=0, before={0, 1, 2}, transfers=[],
+                   phases={}, total_s=0.3, failed_at=None, first_failure=None)
+    first.step(stats(2, 0.25), plan(1, 2))  # the replayed step
+    first.close()  # rank 0 dies
+
+    stranger = RunReport(cfg, mirror, 4, "another")
+    stranger.adopt_history()
+    assert stranger.throughput == [] and stranger.changes == []
+    stranger.close()
+    second = RunReport(cfg, mirror, 4, "run")
+    second.adopt_history()
+    second.generation(plan(2, 3), ts)
+    second.step(stats(3, 0.5), plan(2, 3))
+    second.final(4, [0.0], [1.0])
+    second.close()
+    assert second.throughput == [(0, 64.0), (1, 64.0), (2, 128.0), (3, 64.0)]
+    assert second.changes == [(2, "lost [2]")]
+    assert (tmp_path / "tb/throughput.png").read_bytes().startswith(b"\x89PNG")
+    generations = [r for r in read_records(str(tmp_path / "m.jsonl")) if r.get("event") == "generation"]
+    assert [r["run"] for r in generations] == ["old", "run", "run"]

@@ -299,7 +299,9 @@ class Run:
             self.report.close()
             self.report = None
         if plan.rank_of(self.me) == 0 and self.report is None:
-            self.report = RunReport(self.cfg, self.protocol, self.model.num_layers)
+            self.report = RunReport(self.cfg, self.protocol, self.model.num_layers, self.who.run_id)
+            if record.generation > 0:  # a hand-over: the figure keeps the steps before it
+                self.report.adopt_history()
             if self.last_step is not None:  # rank 0 died after a commit, maybe before its line
                 self.report.catch_up(*self.last_step)
         if self.report:

@@ -6,6 +6,13 @@ on its membership store, which this layer does not import (elastic sits above mo
 A recovery record waits for the first step of the new generation (the replayed one) so that
 it can carry that step's time; `flush_recovery()` writes it without when no step follows.
 
+A worker that becomes the reporter mid-run (rank 0 died, or a joiner ranks first) takes the
+run's earlier steps and changes from the metrics log where it can read the same file
+(`adopt_history`), so the final throughput figure covers the whole run, not the steps since
+the hand-over. Generation records carry the run id, and only records from this run's
+generation 0 on are taken: the same path may hold another run's records (an earlier job, or
+the run a resumed job continues, which has its own figure).
+
 The runtime's step statistics and generation plan arrive duck-typed (`StepRecord`,
 `PlanRecord`): monitoring reads a few of their fields and imports nothing above planning.
 """
@@ -21,7 +28,7 @@ from typing import Protocol
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.monitoring.layout import layout_figure, throughput_figure
-from oobleck_elastic.monitoring.metrics import JsonlSink, MultiSink
+from oobleck_elastic.monitoring.metrics import JsonlSink, MultiSink, read_records
 from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
 from oobleck_elastic.planning import Instantiation, TemplateSet, layer_holders
 from oobleck_elastic.planning.report import instantiation_table
@@ -74,8 +81,8 @@ class PlanRecord(Protocol):
 class RunReport:
     """The metrics sinks of the reporting worker and its pending recovery record."""
 
-    def __init__(self, cfg: JobConfig, mirror: Mirror, num_layers: int) -> None:
-        self.cfg, self.mirror, self.num_layers = cfg, mirror, num_layers
+    def __init__(self, cfg: JobConfig, mirror: Mirror, num_layers: int, run_id: str = "") -> None:
+        self.cfg, self.mirror, self.num_layers, self.run_id = cfg, mirror, num_layers, run_id
         self.tensorboard = TensorBoardSink(cfg.monitoring.tensorboard_dir)
         self.sink = MultiSink([JsonlSink(cfg.monitoring.metrics_path), self.tensorboard])
         self.throughput: list[tuple[int, float]] = []  # (step, samples/s) for the final figure
@@ -95,7 +102,7 @@ class RunReport:
         figure.savefig(png)
         self.tensorboard.figure(f"layout/generation_{plan.generation}", figure, plan.start_step)
         self.sink.write({
-            "event": "generation", "generation": plan.generation, "start_step": plan.start_step,
+            "event": "generation", "generation": plan.generation, "start_step": plan.start_step, "run": self.run_id,
             "nodes": list(inst.nodes), "spares": list(inst.spares),
             "pipelines": [{"nodes": list(p.nodes), "microbatches": p.microbatches} for p in inst.pipelines],
             "table": instantiation_table(inst), "layout_png": png})
@@ -116,6 +123,27 @@ class RunReport:
             self.mirror.publish_progress(rec)
         except (OobleckError, RuntimeError) as exc:  # torch's store errors are RuntimeErrors
             logger.warning("could not publish the progress of step %d: %s", stats.step, str(exc).splitlines()[0][:160])
+
+    def adopt_history(self) -> None:
+        """The steps and changes the reporters before this one logged in this run (module
+        docstring): nothing when the metrics log is not here, or holds no generation 0 of
+        this run (another machine's file)."""
+        try:
+            records = read_records(self.cfg.monitoring.metrics_path, missing_ok=True)
+        except (OSError, ValueError) as exc:  # unreadable: the figure starts at the hand-over, as it did
+            logger.warning("the metrics log could not be read for the run's earlier steps: %s", exc)
+            return
+        starts = [i for i, r in enumerate(records) if r.get("event") == "generation"
+                  and r.get("generation") == 0 and r.get("run") == self.run_id]
+        if not self.run_id or not starts:
+            return
+        steps: dict[int, float] = {}
+        for rec in records[starts[-1]:]:
+            if rec.get("event") == "recovery":
+                self.changes.append((rec["step"], _change_text(rec)))
+            elif "event" not in rec and "step" in rec:
+                steps[rec["step"]] = rec["samples_per_s"]  # a step logged again counts once
+        self.throughput[:0] = sorted(steps.items())
 
     def catch_up(self, stats: StepRecord, plan: PlanRecord) -> None:
         """A new reporting worker (the last one died) writes the line of the last committed step
@@ -149,8 +177,7 @@ class RunReport:
         if replay_s is not None:
             rec["phases_s"]["replay"] = replay_s
         self.sink.write(rec)
-        what = [f"{word} {rec[key]}" for word, key in (("lost", "lost"), ("joined", "joined")) if rec[key]]
-        self.changes.append((rec["step"], ", ".join(what) or "replayed"))
+        self.changes.append((rec["step"], _change_text(rec)))
         self.mirror.publish_recovery(rec)
 
     def evaluation(self, step: int, loss: float, tokens: int, *, perplexity: bool, seconds: float) -> None:
@@ -195,3 +222,9 @@ class RunReport:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def _change_text(rec: dict) -> str:
+    """How a recovery record is marked on the throughput figure."""
+    what = [f"{word} {rec[key]}" for word, key in (("lost", "lost"), ("joined", "joined")) if rec[key]]
+    return ", ".join(what) or "replayed"

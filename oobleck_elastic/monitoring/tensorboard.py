@@ -26,7 +26,7 @@ class TensorBoardSink(MetricsSink):
     def write(self, record: dict[str, Any]) -> None:
         if "step" in record and "event" not in record:
             for key, tag in _SCALARS.items():
-                if key in record:
+                if record.get(key) is not None:  # lr is None when the optimizer keeps its default
                     self.writer.add_scalar(tag, record[key], record["step"])
         elif record.get("event") == "eval":
             self.writer.add_scalar("eval/loss", record["loss"], record["step"])

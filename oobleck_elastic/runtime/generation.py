@@ -330,19 +330,21 @@ class Generation:
         pending.clear()
         tied.clear()
 
-    def reduce_stats(self, loss_sum: float, samples: int, tokens: int = 0,
-                     grads: bool = True) -> tuple[float, int, float, int]:
-        """World-wide (loss sum, samples, squared grad norm, tokens): each layer counted once in
-        the norm and each tied parameter once (its canonical copy); without `grads`, the norm is 0."""
+    def reduce_stats(self, loss_sum: float, samples: int, tokens: int = 0, grads: bool = True,
+                     seconds: float = 0.0) -> tuple[float, int, float, int, float]:
+        """World-wide (loss sum, samples, squared grad norm, tokens, seconds): each layer counted
+        once in the norm and each tied parameter once (its canonical copy); without `grads`, the
+        norm is 0. Like tokens, seconds comes from one worker and the others give 0."""
         owned = [i for i, r in self.plan.layer_owner.items() if r == self.rank] if grads else []
         copies = self.layers.model.tied_copies()
         sq = torch.zeros((), dtype=torch.float64, device=self.layers.device)  # one device sync, not one a layer
         for i in owned:
             extra = {name for name, canon in copies.get(i, {}).items() if canon != (i, name)}
             sq = sq + sum(g.double().pow(2).sum() for g in self.layers[i].grads(exclude=extra))
-        stats = torch.tensor([loss_sum, float(samples), float(sq), float(tokens)], dtype=torch.float64)
+        stats = torch.tensor([loss_sum, float(samples), float(sq), float(tokens), seconds], dtype=torch.float64)
         dist.all_reduce(stats)
-        return float(stats[0]), int(round(float(stats[1]))), float(stats[2]), int(round(float(stats[3])))
+        return (float(stats[0]), int(round(float(stats[1]))), float(stats[2]), int(round(float(stats[3]))),
+                float(stats[4]))
 
     def held_layers(self) -> tuple[int, ...]:
         return self.role.layer_ids if self.role else ()

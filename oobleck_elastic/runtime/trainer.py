@@ -49,6 +49,8 @@ class StepStats:
     samples: int
     grad_norm: float
     seconds: float
+    """The step's compute time, the same on every worker: pipeline 0's first stage's, from its
+    start to its gradients summed across the pipelines."""
     consumed: tuple[int, ...] = ()
     """Dataset indices this worker's last stage consumed (empty elsewhere)."""
     tokens: int = 0
@@ -184,14 +186,20 @@ class Trainer:
         loss_sum, samples = gen.forward_backward(inputs, targets)
         gen.sync_gradients()
         counts = self._step_count if gen.role is not None and gen.role.is_last and gen.role.pipeline == 0 else 0
-        loss, samples, sq_norm, tokens = gen.reduce_stats(loss_sum, samples, counts)
+        # The step's time is the first stage of pipeline 0's: it finishes its pipeline's last
+        # backward, and its gradient sum waits for every other pipeline's. A worker's own time
+        # is not the step's: a hot spare that was busy reporting starts late, waits for nobody
+        # and measured a few ms for a 0.2 s step (its samples/s 60 times too high).
+        timer = gen.role is not None and gen.role.is_first and gen.role.pipeline == 0
+        loss, samples, sq_norm, tokens, seconds = gen.reduce_stats(
+            loss_sum, samples, counts, seconds=time.perf_counter() - start if timer else 0.0)
         norm = math.sqrt(sq_norm)
         clip = self.cfg.train.grad_clip_norm
         coef = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
         base_lr = self.cfg.train.optimizer.kwargs.get("lr")
         lr = None if base_lr is None else base_lr * lr_factor(self.cfg.train.lr_schedule, step, self.cfg.train.steps)
         stats = StepStats(step=step, loss=loss, samples=samples, grad_norm=norm,
-                          seconds=time.perf_counter() - start, consumed=consumed, tokens=tokens, lr=lr)
+                          seconds=seconds, consumed=consumed, tokens=tokens, lr=lr)
         return _Computed(stats=stats, clip_coef=coef)
 
     def evaluate(self, batch: int) -> tuple[float, int]:
@@ -207,7 +215,7 @@ class Trainer:
                 self._step_count = data.count
         loss_sum, samples = gen.forward_only(inputs, targets)
         counts = self._step_count if gen.role is not None and gen.role.is_last and gen.role.pipeline == 0 else 0
-        loss, _, _, tokens = gen.reduce_stats(loss_sum, samples, counts, grads=False)
+        loss, _, _, tokens, _ = gen.reduce_stats(loss_sum, samples, counts, grads=False)
         return loss, tokens
 
     def apply(self, computed: _Computed) -> None:
