@@ -112,3 +112,16 @@ def test_runtime_rejects_wide_plans_before_any_worker_starts():
 
     with pytest.raises(ConfigError, match="planner.wide plans stages that span several workers"):
         check_supported(load_config(None, ["planner.wide=true"]))
+
+
+def test_a_one_worker_interleaved_pipeline_pays_no_exchanges():
+    """Its stages hand activations over in the worker (torch runs same-rank stages locally):
+    T(M) is M times the whole model's compute plus the tails, whatever the transfer costs."""
+    profile = random_profile(random.Random(3), 8)
+    cluster = small_cluster(1, 10**9, link_latency_us=3000.0)
+    t = plan_template(profile, cluster, 1, 4, virtual_stages=4)
+    assert (t.positions, t.num_stages) == (1, 4)
+    assert [s.send_ms for s in t.stages] == [0.0] * 4
+    compute = sum(layer.compute_ms for layer in profile.layers)
+    assert t.iteration_ms == pytest.approx(4 * compute + sum(t.tails()))
+    assert t.times(6)[-1] == pytest.approx(6 * compute + sum(t.tails()))

@@ -109,7 +109,7 @@ def test_a_new_reporter_keeps_the_runs_earlier_steps_for_its_throughput_figure(t
 
     stranger = RunReport(cfg, mirror, 4, "another")
     stranger.adopt_history()
-    assert stranger.throughput == [] and stranger.changes == []
+    assert stranger.throughput == {} and stranger.changes == []
     stranger.close()
     second = RunReport(cfg, mirror, 4, "run")
     second.adopt_history()
@@ -117,7 +117,7 @@ def test_a_new_reporter_keeps_the_runs_earlier_steps_for_its_throughput_figure(t
     second.step(stats(3, 0.5), plan(2, 3))
     second.final(4, [0.0], [1.0])
     second.close()
-    assert second.throughput == [(0, 64.0), (1, 64.0), (2, 128.0), (3, 64.0)]
+    assert second.throughput == {0: 64.0, 1: 64.0, 2: 128.0, 3: 64.0}
     assert second.changes == [(2, "lost [2]")]
     assert (tmp_path / "tb/throughput.png").read_bytes().startswith(b"\x89PNG")
     generations = [r for r in read_records(str(tmp_path / "m.jsonl")) if r.get("event") == "generation"]

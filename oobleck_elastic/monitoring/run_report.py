@@ -85,7 +85,7 @@ class RunReport:
         self.cfg, self.mirror, self.num_layers, self.run_id = cfg, mirror, num_layers, run_id
         self.tensorboard = TensorBoardSink(cfg.monitoring.tensorboard_dir)
         self.sink = MultiSink([JsonlSink(cfg.monitoring.metrics_path), self.tensorboard])
-        self.throughput: list[tuple[int, float]] = []  # (step, samples/s) for the final figure
+        self.throughput: dict[int, float] = {}  # step -> samples/s for the final figure (a step done again: its last)
         self.changes: list[tuple[int, str]] = []  # (step, what changed) for the final figure
         self.pending_recovery: dict | None = None
         self.last_eval: int | None = None
@@ -118,7 +118,7 @@ class RunReport:
                "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
                "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": self.cfg.train.steps}
         self.sink.write(rec)
-        self.throughput.append((stats.step, rec["samples_per_s"]))
+        self.throughput[stats.step] = rec["samples_per_s"]
         try:  # the launcher's mirror only: a store hiccup here must not fail a committed step
             self.mirror.publish_progress(rec)
         except (OobleckError, RuntimeError) as exc:  # torch's store errors are RuntimeErrors
@@ -137,13 +137,11 @@ class RunReport:
                   and r.get("generation") == 0 and r.get("run") == self.run_id]
         if not self.run_id or not starts:
             return
-        steps: dict[int, float] = {}
         for rec in records[starts[-1]:]:
             if rec.get("event") == "recovery":
                 self.changes.append((rec["step"], _change_text(rec)))
             elif "event" not in rec and "step" in rec:
-                steps[rec["step"]] = rec["samples_per_s"]  # a step logged again counts once
-        self.throughput[:0] = sorted(steps.items())
+                self.throughput[rec["step"]] = rec["samples_per_s"]
 
     def catch_up(self, stats: StepRecord, plan: PlanRecord) -> None:
         """A new reporting worker (the last one died) writes the line of the last committed step
@@ -202,7 +200,8 @@ class RunReport:
         logs and in TensorBoard."""
         if not self.throughput:
             return
-        figure = throughput_figure([s for s, _ in self.throughput], [v for _, v in self.throughput], self.changes,
+        steps_done = sorted(self.throughput)
+        figure = throughput_figure(steps_done, [self.throughput[s] for s in steps_done], self.changes,
                                    f"throughput over {len(self.throughput)} steps")
         figure.savefig(os.path.join(self.cfg.monitoring.tensorboard_dir, "throughput.png"))
         self.tensorboard.figure("throughput", figure, steps)

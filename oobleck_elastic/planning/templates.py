@@ -222,7 +222,7 @@ def template_from_bounds(profile: ModelProfile, cluster: Cluster, nodes: int,
         StagePlan(layers=(bounds[k], bounds[k + 1]), node=placement[k],
                   workers=tuple(range((position[k] * width) % g, (position[k] * width) % g + width)),
                   compute_ms=compute[k], forward_ms=forward[k],
-                  send_ms=sends[k] if k < num_stages - 1 else 0.0, memory_bytes=int(memory[k]),
+                  send_ms=sends[k] if k < num_stages - 1 and positions > 1 else 0.0, memory_bytes=int(memory[k]),
                   grad_sync_ms=syncs[k], optimizer_ms=optimizer[k])
         for k in range(num_stages))
     template = PipelineTemplate(nodes=nodes, workers_per_node=g, stages=stages, microbatches=microbatches,
@@ -253,14 +253,15 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
     choices: list[np.ndarray] = []
     for j in reversed(range(num_stages)):
         fits = tables.upper & (tables.static + (num_stages - j) * tables.activation <= budget)
-        # c_{j-1}(l): the exchange with the stage above, across the output of layer l - 1
-        up = tables.send_ms[_crosses(j - 1, positions, width, g)][:, None] if j > 0 else 0.0
+        # c_{j-1}(l): the exchange with the stage above, across the output of layer l - 1 (none
+        # between the stages of a one-worker interleaved pipeline: torch hands them over locally)
+        up = tables.send_ms[_crosses(j - 1, positions, width, g)][:, None] if j > 0 and positions > 1 else 0.0
         if j == num_stages - 1:
             own = big_m + exchanges * up
             cost = np.where(fits[:, num_layers], own[:, num_layers], np.inf)
             choice = np.full(num_layers + 1, num_layers)
         else:
-            down = tables.send_ms[_crosses(j, positions, width, g)][None, :]
+            down = tables.send_ms[_crosses(j, positions, width, g)][None, :] if positions > 1 else 0.0
             bubble = np.maximum(down, below + 2 * down - (num_stages - j - 1) * (forward + up))
             own = big_m + exchanges * (up + down) + bubble
             total = np.maximum(own, compute + 2 * down + value[None, :])
