@@ -273,7 +273,8 @@ def main() -> int:
     torch.set_num_threads(1)  # as each worker runs
     # for the splits only: the predictions use the profiles the workers take beside each round
     profile = profile_model(spec, microbatch_size=cfg.train.microbatch_size, precision="fp32", iterations=10)
-    bandwidth = args.bandwidth if args.bandwidth is not None else measure_bandwidth(sum(layer.grad_bytes for layer in profile.layers))
+    bandwidth = (args.bandwidth if args.bandwidth is not None else
+                 measure_bandwidth(sum(layer.grad_bytes for layer in profile.layers)))
     latency = (args.latency_us if args.latency_us is not None else
                measure_latency_us(max(layer.output_bytes for layer in profile.layers), bandwidth))
     cfg = dataclasses.replace(cfg, planner=dataclasses.replace(cfg.planner, inter_node_bandwidth=bandwidth,
@@ -344,8 +345,9 @@ def main() -> int:
         ours = statistics.median(med[(name, "ours")])
         print(f"  {name:18s} baseline {base * 1e3:8.1f} ms/step, ours {ours * 1e3:8.1f} ms/step, "
               f"ratio ours/baseline {ours / base:.3f} (goal <= 1.05)")
+    bandwidth_from = 'given' if args.bandwidth is not None else 'measured: gloo all-reduce here'
     print(f"cost model (pipelines, gradient all-reduce over {cfg.planner.inter_node_bandwidth:.2f} GB/s "
-          f"({'given' if args.bandwidth is not None else 'measured: gloo all-reduce here'}), link latency "
+          f"({bandwidth_from}), link latency "
           f"{cfg.planner.link_latency_us:.0f} us ({'given' if args.latency_us is not None else 'measured: gloo exchange here'}), "
           f"optimizer step) against measured, {os.cpu_count()} cores for up to {world} workers:")
     taken = [q for _, _, profiles in results for q in profiles]

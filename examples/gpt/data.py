@@ -28,8 +28,7 @@ class SyntheticTokens:
         self.seed = seed
         self.first = cfg.dataset_size if held_out else 0
         g = torch.Generator().manual_seed(seed * 7919 + 17)
-        self.successor = torch.randperm(cfg.vocab_size, generator=g)
-        self._successor = self.successor.tolist()
+        self.successor = torch.randperm(cfg.vocab_size, generator=g).tolist()
 
     def __len__(self) -> int:
         return self.cfg.dataset_size
@@ -42,7 +41,7 @@ class SyntheticTokens:
         n = self.cfg.seq_len + 1
         noise = torch.randint(self.cfg.vocab_size, (n,), generator=g).tolist()
         follow = (torch.rand(n, generator=g) < FOLLOW).tolist()
-        successor = self._successor
+        successor = self.successor
         tokens = [noise[0]]
         for t in range(1, n):  # on Python ints: element-wise tensor ops cost ~9 ms a batch of 32
             tokens.append(successor[tokens[-1]] if follow[t] else noise[t])

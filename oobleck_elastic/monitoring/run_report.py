@@ -128,6 +128,8 @@ class RunReport:
         """The steps and changes the reporters before this one logged in this run (module
         docstring): nothing when the metrics log is not here, or holds no generation 0 of
         this run (another machine's file)."""
+        if not self.run_id:
+            return
         try:
             records = read_records(self.cfg.monitoring.metrics_path, missing_ok=True)
         except (OSError, ValueError) as exc:  # unreadable: the figure starts at the hand-over, as it did
@@ -135,7 +137,7 @@ class RunReport:
             return
         starts = [i for i, r in enumerate(records) if r.get("event") == "generation"
                   and r.get("generation") == 0 and r.get("run") == self.run_id]
-        if not self.run_id or not starts:
+        if not starts:
             return
         for rec in records[starts[-1]:]:
             if rec.get("event") == "recovery":

@@ -251,17 +251,24 @@ def _optimal_bounds(tables: CostTables, cluster: Cluster, nodes: int, width: int
     exchanges = microbatches - 1
     value = np.full(num_layers + 1, np.inf)
     choices: list[np.ndarray] = []
+
+    def exchange(boundary: int) -> np.ndarray:
+        """c across `boundary`, by the layer it follows (none between the stages of a one-worker
+        interleaved pipeline: torch hands them over in the worker)."""
+        if positions == 1:
+            return np.zeros(num_layers + 1)
+        return tables.send_ms[_crosses(boundary, positions, width, g)]
+
     for j in reversed(range(num_stages)):
         fits = tables.upper & (tables.static + (num_stages - j) * tables.activation <= budget)
-        # c_{j-1}(l): the exchange with the stage above, across the output of layer l - 1 (none
-        # between the stages of a one-worker interleaved pipeline: torch hands them over locally)
-        up = tables.send_ms[_crosses(j - 1, positions, width, g)][:, None] if j > 0 and positions > 1 else 0.0
+        # c_{j-1}(l): the exchange with the stage above, across the output of layer l - 1
+        up = exchange(j - 1)[:, None] if j > 0 else 0.0
         if j == num_stages - 1:
             own = big_m + exchanges * up
             cost = np.where(fits[:, num_layers], own[:, num_layers], np.inf)
             choice = np.full(num_layers + 1, num_layers)
         else:
-            down = tables.send_ms[_crosses(j, positions, width, g)][None, :] if positions > 1 else 0.0
+            down = exchange(j)[None, :]
             bubble = np.maximum(down, below + 2 * down - (num_stages - j - 1) * (forward + up))
             own = big_m + exchanges * (up + down) + bubble
             total = np.maximum(own, compute + 2 * down + value[None, :])
