@@ -82,7 +82,8 @@ def test_backward_is_measured_not_derived():
 def test_a_model_larger_than_the_window_budget_is_timed_window_by_window():
     """Layers are timed in windows of consecutive layers that fit the budget (Note: [layers
     timed in context]); each window starts from the previous one's output, so a model larger
-    than one device is still timed, every layer with a forward and a backward."""
+    than one device is still timed, every layer with a forward, a backward and an optimizer step
+    (each layer here has parameters)."""
     spec = gpt_model(TINY)
     p = profile_model(spec, microbatch_size=2, dtype="float32", iterations=1)
     sizes = [2 * x.param_bytes + x.activation_bytes + x.output_bytes for x in p.layers]
@@ -95,7 +96,7 @@ def test_a_model_larger_than_the_window_budget_is_timed_window_by_window():
     for windows in ([range(0, 4)], [range(i, i + 1) for i in range(4)], two):
         times = _time_in_context(spec, windows, x, target, seed=0, train=TrainConfig(precision="fp32"),
                                  device=torch.device("cpu"), iterations=2)
-        assert len(times) == 4 and all(f > 0 and b > 0 for f, b in times)
+        assert len(times) == 4 and all(f > 0 and b > 0 and o > 0 for f, b, o in times)
 
 
 def test_cache_hit_and_stale_cache_is_never_used(tmp_path):

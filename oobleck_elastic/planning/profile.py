@@ -28,12 +28,12 @@ from oobleck_elastic.planning.values import from_jsonable, to_jsonable
 
 __all__ = ["LayerProfile", "ModelProfile", "synthetic_gpt", "PROFILE_FORMAT", "GPT3_SIZES"]
 
-PROFILE_FORMAT = 3
+PROFILE_FORMAT = 4
 """2: layers carry optimizer_ms and compute_copy_bytes (format-1 caches are profiled again).
 3: forward_ms and backward_ms are timed in context (runtime/profiler.py Note: [layers timed in
-context]); the fields are format 2's, so a format-2 file still loads (`--profile FILE`), but a
-cached one is stale and profiled again."""
-READABLE_FORMATS = (2, 3)
+context]). 4: so is optimizer_ms. The fields are format 2's, so a format-2 or -3 file still
+loads (`--profile FILE`), but a cached one is stale and profiled again."""
+READABLE_FORMATS = (2, 3, 4)
 
 GPT3_SIZES = {"125M": (12, 768), "350M": (24, 1024), "760M": (24, 1536), "1.3B": (24, 2048),
               "2.7B": (32, 2560), "6.7B": (32, 4096), "13B": (40, 5140), "175B": (96, 12288)}

@@ -6,7 +6,9 @@ For each layer, on the local device, with the job's microbatch size and precisio
     [layers timed in context]); backward is a real `torch.autograd.backward` of the layer's
     output (the loss, for the last layer);
   * optimizer_ms: the configured optimizer's step on the layer (under bf16-mixed with the
-    refresh of the layer's bf16 copy from its float32 master), timed the same way;
+    refresh of the layer's bf16 copy from its float32 master), timed in the same chain, right
+    after its backward pass, layer after layer as a worker applies a step (timed alone, over
+    and over, it came to 0.63-0.75 of what the step costs in a worker here);
   * param_bytes, grad_bytes: the layer's trainable (master) parameters and their gradients;
   * compute_copy_bytes: the bf16 copy the stage computes with under bf16-mixed (else 0);
   * optimizer_bytes: the state the configured optimizer holds after one real step;
@@ -75,25 +77,6 @@ def _device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def _timed(fn: Callable[[], None], device: torch.device, iterations: int) -> float:
-    """Median milliseconds of `iterations` runs of fn after one warm-up (CUDA events on a GPU)."""
-    fn()  # warm-up
-    samples = []
-    for _ in range(iterations):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            start_s = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start_s) * 1e3)
-    return statistics.median(samples)
-
-
 def _peak_growth(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
     """run()'s result and, on CUDA, how far the allocator's peak rose above what was allocated
     before (0 on the CPU, which has no such counter)."""
@@ -143,8 +126,7 @@ def _nbytes(tensors) -> int:
 
 
 def _profile_layer(spec: ModelSpec, index: int, x: torch.Tensor, target: torch.Tensor, *,
-                   seed: int, train: TrainConfig, device: torch.device,
-                   iterations: int) -> tuple[LayerProfile, torch.Tensor]:
+                   seed: int, train: TrainConfig, device: torch.device) -> tuple[LayerProfile, torch.Tensor]:
     master = materialize_layer(spec, index, seed=seed, dtype=DTYPES[train.param_dtype], device=device)
     state = LayerState(master, train)  # master, compute copy and optimizer, as a worker holds them
     layer = state.compute
@@ -162,22 +144,16 @@ def _profile_layer(spec: ModelSpec, index: int, x: torch.Tensor, target: torch.T
         next_input = layer(x)
     (out, saved), peak = _peak_growth(lambda: _saved_bytes(forward), device)
     forward().backward(None if last else torch.randn_like(out))  # every master gradient exists
-    optimizer_ms = 0.0
-    if state.optimizer is not None:
+    if state.optimizer is not None:  # one real step creates the state measured below
         state.grads()
-
-        def optimizer_step() -> None:
-            state.optimizer.step()
-            state.refresh_compute()
-
-        optimizer_ms = _timed(optimizer_step, device, iterations)
+        state.optimizer.step()
     opt_state = [v for s in state.optimizer.state.values() for v in s.values()
                  if torch.is_tensor(v)] if state.optimizer else []
     copy_bytes = _nbytes([p for p in layer.parameters() if p.requires_grad]) if layer is not master else 0
     profile = LayerProfile(
-        name=spec.layers[index].name, forward_ms=0.0, backward_ms=0.0,  # timed in context: _time_in_context
+        name=spec.layers[index].name, forward_ms=0.0, backward_ms=0.0,  # timed in context (below)
         param_bytes=_nbytes(state.params), grad_bytes=_nbytes(state.params), optimizer_bytes=_nbytes(opt_state),
-        activation_bytes=max(saved, peak), output_bytes=_nbytes([out]), optimizer_ms=optimizer_ms,
+        activation_bytes=max(saved, peak), output_bytes=_nbytes([out]), optimizer_ms=0.0,  # timed in context
         compute_copy_bytes=copy_bytes)
     return profile, next_input
 
@@ -221,20 +197,22 @@ class _Marks:
 
 
 def _time_in_context(spec: ModelSpec, windows: list[range], x: torch.Tensor, target: torch.Tensor, *, seed: int,
-                     train: TrainConfig, device: torch.device, iterations: int) -> list[tuple[float, float]]:
-    """(forward_ms, backward_ms) of every layer, each window's layers run back to back as a
-    stage runs them (Note: [layers timed in context]): medians of `iterations` passes after
-    one warm-up."""
+                     train: TrainConfig, device: torch.device,
+                     iterations: int) -> list[tuple[float, float, float]]:
+    """(forward_ms, backward_ms, optimizer_ms) of every layer, each window's layers run back to
+    back as a stage runs them (Note: [layers timed in context]): one forward pass, one backward
+    pass in reverse, then each layer's optimizer step (with the refresh of its compute copy) in
+    order, as a worker applies a step; medians of `iterations` passes after one warm-up."""
     master_dtype = DTYPES[train.param_dtype]
     last_layer = spec.num_layers - 1
-    out: list[tuple[float, float]] = []
+    out: list[tuple[float, float, float]] = []
     for window in windows:
         states = [LayerState(materialize_layer(spec, i, seed=seed, dtype=master_dtype, device=device), train)
                   for i in window]
         grad = None
         samples: list[list[float]] = []
         for n in range(iterations + 1):
-            forward, backward = _Marks(device), _Marks(device)
+            forward, backward, optimizer = _Marks(device), _Marks(device), _Marks(device)
             inputs, outputs = [], []
             h = x
             forward.mark()
@@ -254,14 +232,21 @@ def _time_in_context(spec: ModelSpec, windows: list[range], x: torch.Tensor, tar
                 torch.autograd.backward(output, upstream)
                 upstream = inp.grad
                 backward.mark()
-            if n:  # the first pass warms up
-                samples.append(forward.spans_ms() + backward.spans_ms()[::-1])
+            optimizer.mark()
             for state in states:
+                if state.optimizer is not None:
+                    state.grads()  # a parameter the pass left without a gradient gets zeros, as in apply()
+                    state.optimizer.step()
+                    state.refresh_compute()
                 state.zero_grad()
+                optimizer.mark()
+            if n:  # the first pass warms up
+                samples.append(forward.spans_ms() + backward.spans_ms()[::-1] + optimizer.spans_ms())
         x = h.detach()
         k = len(window)
         medians = [statistics.median(column) for column in zip(*samples)]
-        out.extend((medians[j], max(medians[k + j], 1e-6)) for j in range(k))
+        out.extend((medians[j], max(medians[k + j], 1e-6),
+                    medians[2 * k + j] if states[j].optimizer is not None else 0.0) for j in range(k))
         del states
     return out
 
@@ -289,14 +274,14 @@ def _measure(spec: ModelSpec, *, microbatch_size: int, precision: str, seed: int
     target = target.to(device)
     first_input, layers = x, []
     for i in range(spec.num_layers):
-        layer, x = _profile_layer(spec, i, x, target, seed=seed, train=train, device=device,
-                                  iterations=iterations)
+        layer, x = _profile_layer(spec, i, x, target, seed=seed, train=train, device=device)
         layers.append(layer)
     times = _time_in_context(spec, _windows(layers, device_memory_bytes(device) // 4), first_input, target,
                              seed=seed, train=train, device=device, iterations=iterations)
     if device.type == "cuda":  # what the layers used goes back to the GPU, for the workers the plan counts on
         torch.cuda.empty_cache()
-    layers = [dataclasses.replace(layer, forward_ms=f, backward_ms=b) for layer, (f, b) in zip(layers, times)]
+    layers = [dataclasses.replace(layer, forward_ms=f, backward_ms=b, optimizer_ms=o)
+              for layer, (f, b, o) in zip(layers, times)]
     return ModelProfile(signature="", microbatch_size=microbatch_size,
                         dtype=_profile_name(precision), device=_device_name(device), torch_version=torch.__version__,
                         device_memory_bytes=device_memory_bytes(device), layers=tuple(layers))
