@@ -69,6 +69,17 @@ def test_metrics_log_reads_back_whole_records_only(tmp_path):
     with open(path, "a", encoding="utf-8") as f:
         f.write('{"step": 2, "lo')  # the writer killed mid-record
     assert [r["step"] for r in read_records(path)] == [0, 1]
+    # the next rank 0 appends to the same log: the torn record goes, not glued to the new one
+    sink = JsonlSink(path)
+    sink.write({"step": 2, "loss": 1.25})
+    sink.close()
+    assert sink.dropped == len('{"step": 2, "lo')
+    assert read_records(path) == [{"step": 0, "loss": 1.5}, {"event": "final", "step": 1},
+                                  {"step": 2, "loss": 1.25}]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('{"step": 0, "lo')  # killed in its first record
+    JsonlSink(path).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
     with open(path, "w", encoding="utf-8") as f:
         f.write('{"step": 0}\nnot json\n{"step": 1}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2 is not a JSON record"):
@@ -116,6 +127,7 @@ def test_a_new_reporter_keeps_the_runs_earlier_steps_for_its_throughput_figure(t
     second.generation(plan(2, 3), ts)
     second.step(stats(3, 0.5), plan(2, 3))
     second.final(4, [0.0], [1.0])
+    second.draw_throughput(4)
     second.close()
     assert second.throughput == {0: 64.0, 1: 64.0, 2: 128.0, 3: 64.0}
     assert second.changes == [(2, "lost [2]")]

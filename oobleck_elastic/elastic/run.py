@@ -18,6 +18,16 @@ Note: [orphaned run]
     generation itself once enough joiners are ready for the smallest pipeline: the newest
     checkpoint restored on the ready joiners, exactly as survivors restore it after more than
     f failures. Compare-and-set keeps one proposal; a joiner left out of it keeps waiting.
+
+Note: [the end is recorded before anyone leaves]
+    Only rank 0 writes the final record and publishes `done`, which the launcher waits for.
+    Workers used to leave as soon as the run's last collective (the layer summaries) was done,
+    and rank 0 wrote the end afterwards: a rank 0 killed in between (a chaos run killed it
+    while it drew the throughput figure) left a finished run that no one recorded, and the
+    job failed. Now rank 0 records the end inside the Finish work, and every worker waits in
+    one more collective (a barrier) before it leaves: a rank 0 that dies first fails the
+    barrier, the survivors recover as from any failed step, and the next rank 0 records the
+    end. A failure after the end is recorded changes nothing: the survivors leave.
 """
 
 from __future__ import annotations
@@ -97,7 +107,7 @@ class Run:
         if self.report and action.reason == "stopped":
             self.report.stopped(self.trainer.completed_steps, self.cfg.checkpoint.dir)
         elif self.report and action.reason == "done":
-            self.report.final(self.trainer.completed_steps, *self.summaries)
+            self.report.draw_throughput(self.trainer.completed_steps)
         return action.reason
 
     def execute(self, action: object) -> object:
@@ -130,10 +140,18 @@ class Run:
                 return self.evaluate()
             self.save_checkpoint(final=True)  # the end is a collective too
             self.summaries = self.trainer.layer_summaries()
+            if self.fault:
+                self.fault("finish", step=self.trainer.completed_steps)
+            if self.report and not self.protocol.finished():  # Note: [the end is recorded before anyone leaves]
+                self.report.final(self.trainer.completed_steps, *self.summaries)
+            self.trainer.generation.barrier()
             return Finished()
         except STEP_ERRORS as exc:
             cause, error = _cause(exc)
             self.failed_at = time.time()
+        if isinstance(action, Finish) and self.protocol.finished():
+            self.log.warning("a peer failed after the run's end was recorded (%s); nothing is left to do", cause)
+            return Finished()
         self.log.warning("step %d failed (%s); recovering", self.trainer.completed_steps, cause)
         return StepFailed(cause, error)
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["MetricsSink", "JsonlSink", "MultiSink", "read_records"]
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsSink(abc.ABC):
@@ -31,6 +34,10 @@ class JsonlSink(MetricsSink):
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
+        self.dropped = _drop_torn_tail(path)
+        if self.dropped:
+            logger.warning("metrics log %s ended in a record cut short (%d bytes: its writer was killed "
+                           "mid-write); dropped it before appending", path, self.dropped)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
 
     def write(self, record: dict[str, Any]) -> None:
@@ -39,6 +46,35 @@ class JsonlSink(MetricsSink):
 
     def close(self) -> None:
         self._file.close()
+
+
+def _drop_torn_tail(path: str) -> int:
+    """Cuts a last line left without its newline (a writer killed mid-record: a rank 0 that
+    died, before the next rank 0 appends to the same log) and returns its bytes. Appended
+    to, it would glue the new writer's first record to the torn one and make both unreadable;
+    it never was a whole record."""
+    try:
+        f = open(path, "rb+")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:
+        return 0
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        keep, end = 0, size
+        while end > 0:  # back to the last newline, a block at a time
+            start = max(0, end - 65536)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            end = start
+        f.truncate(keep)
+        return size - keep
 
 
 class MultiSink(MetricsSink):

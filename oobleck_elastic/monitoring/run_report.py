@@ -197,7 +197,7 @@ class RunReport:
         self.sink.write(rec)
         self.mirror.publish_resumed(rec)
 
-    def _throughput_figure(self, steps: int) -> None:
+    def draw_throughput(self, steps: int) -> None:
         """samples/s over the run with its membership changes, as throughput.png next to the
         logs and in TensorBoard."""
         if not self.throughput:
@@ -211,13 +211,14 @@ class RunReport:
     def stopped(self, steps: int, directory: str) -> None:
         """The run stopped on request after `steps` steps, with their checkpoint written."""
         self.flush_recovery()
-        self._throughput_figure(steps)
+        self.draw_throughput(steps)
         self.sink.write({"event": "stopped", "steps": steps, "checkpoint_dir": directory, "time": time.time()})
         self.mirror.publish_done({"steps": steps, "stopped": True, "checkpoint_dir": directory})
 
     def final(self, steps: int, sums: list[float], norms: list[float]) -> None:
+        """The run's end: its final record, then `done` for the launcher (the throughput figure,
+        slower, is drawn once every worker knows the end is recorded: draw_throughput)."""
         self.flush_recovery()
-        self._throughput_figure(steps)
         self.sink.write({"event": "final", "steps": steps, "param_sums": sums, "param_norms": norms})
         self.mirror.publish_done({"steps": steps})
 

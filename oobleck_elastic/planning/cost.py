@@ -80,8 +80,8 @@ import numpy as np
 
 from oobleck_elastic.planning.profile import ModelProfile
 
-__all__ = ["Cluster", "CostTables", "interleaved_in_flight", "interleaved_iteration_ms", "iteration_ms",
-           "ring_factor", "stage_cycles", "stage_leads", "stage_tails", "stage_times"]
+__all__ = ["Cluster", "CostTables", "interleaved_in_flight", "interleaved_iteration_ms", "interleaved_terms",
+           "iteration_ms", "ring_factor", "stage_cycles", "stage_leads", "stage_tails", "stage_times"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,16 +156,24 @@ def iteration_ms(stage_ms: Sequence[float], forward_ms: Sequence[float], send_ms
     return max(lead + microbatches * c + t for lead, c, t in zip(leads, cycles, tails))
 
 
+def interleaved_terms(stage_ms: Sequence[float], send_ms: Sequence[float], positions: int,
+                      tail_ms: Sequence[float] | None = None) -> tuple[float, float]:
+    """(per microbatch, fixed) of the interleaved estimate: T(M) = M * per + fixed (Note:
+    [interleaved cost model]); arguments as interleaved_iteration_ms."""
+    cycles = stage_cycles(stage_ms, send_ms[:-1])
+    per_worker = max(sum(cycles[p::positions]) for p in range(positions))
+    fill = max(w + 2 * c for w, c in zip(stage_ms, send_ms))
+    tail = max(sum(tail_ms[p::positions]) for p in range(positions)) if tail_ms is not None else 0.0
+    return per_worker, (positions - 1) * fill + tail
+
+
 def interleaved_iteration_ms(stage_ms: Sequence[float], send_ms: Sequence[float], positions: int,
                              microbatches: int, tail_ms: Sequence[float] | None = None) -> float:
     """T(M) of `positions` workers running stage k on worker k mod positions (see Note:
     [interleaved cost model]); send_ms has one entry per stage, 0 for the last; tail_ms: each
     stage's all-reduce and optimizer step (summed per worker; none when omitted)."""
-    cycles = stage_cycles(stage_ms, send_ms[:-1])
-    per_worker = [sum(cycles[p::positions]) for p in range(positions)]
-    fill = max(w + 2 * c for w, c in zip(stage_ms, send_ms))
-    tail = max(sum(tail_ms[p::positions]) for p in range(positions)) if tail_ms is not None else 0.0
-    return microbatches * max(per_worker) + (positions - 1) * fill + tail
+    per_worker, fixed = interleaved_terms(stage_ms, send_ms, positions, tail_ms)
+    return microbatches * per_worker + fixed
 
 
 def interleaved_in_flight(position: int, positions: int, virtual_stages: int) -> int:

@@ -36,6 +36,7 @@ from oobleck_elastic.planning.cost import (
     CostTables,
     interleaved_in_flight,
     interleaved_iteration_ms,
+    interleaved_terms,
     iteration_ms,
     ring_factor,
     stage_cycles,
@@ -140,11 +141,9 @@ class PipelineTemplate:
         compute = np.array([s.compute_ms for s in self.stages])
         tails = np.array(self.tails(pipelines))
         if self.virtual_stages > 1:
-            cycles = np.array(stage_cycles(list(compute), [s.send_ms for s in self.stages[:-1]]))
-            per_worker = max(cycles[p::self.positions].sum() for p in range(self.positions))
-            fill = max(s.compute_ms + 2 * s.send_ms for s in self.stages)
-            tail = max(tails[p::self.positions].sum() for p in range(self.positions))
-            t = m * per_worker + (self.positions - 1) * fill + tail
+            per_worker, fixed = interleaved_terms(list(compute), [s.send_ms for s in self.stages], self.positions,
+                                                  list(tails))
+            t = m * per_worker + fixed
         else:
             sends = [s.send_ms for s in self.stages[:-1]]
             leads = np.array(stage_leads(list(compute), [s.forward_ms for s in self.stages], sends)) + tails

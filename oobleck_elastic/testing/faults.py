@@ -13,8 +13,9 @@ transfer, before they complete: a sender or a receiver dying mid-transfer), agre
 restore (while a generation restored from a checkpoint is built), checkpoint (once this worker has written its
 layers of the checkpoint after step K, before the checkpoint is published), eval (as the
 evaluation after step K begins), grow (a member, as joiners admitted after step K or later
-are about to be proposed: it died in its optimizer step) and admit (a member, once the record
-admitting them has won, before it is built). grow and admit fire at the first admission at or
+are about to be proposed: it died in its optimizer step), admit (a member, once the record
+admitting them has won, before it is built) and finish (with K the run's step count: the run's
+last collective is done, its end not yet recorded). grow and admit fire at the first admission at or
 after step K, since when a joiner is ready is not known in advance. `action=slow,seconds=S` makes the worker
 sleep S seconds each time it reaches the phase of that step (a slow transfer, say);
 `action=raise` makes it raise an error each time (a bug: the step fails with every node alive),
@@ -40,7 +41,8 @@ __all__ = ["Fault", "parse_faults", "FaultInjector", "KillRecorder", "PHASES"]
 
 ACTIONS = ("kill", "stop", "slow", "raise", "glitch")
 PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "bootstrap", "build", "transfer",
-          "transfer_send", "transfer_receive", "agreement", "restore", "checkpoint", "eval", "grow", "admit")
+          "transfer_send", "transfer_receive", "agreement", "restore", "checkpoint", "eval", "grow", "admit",
+          "finish")
 AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fire at
 
 
