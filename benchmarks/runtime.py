@@ -252,7 +252,16 @@ def _two_workers(target, numel: int):
     procs = [ctx.Process(target=target, args=(r, server.port, numel, queue)) for r in range(2)]
     for proc in procs:
         proc.start()
-    results = [queue.get(timeout=300) for _ in procs]
+    results, deadline = [], time.monotonic() + 300
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=5))
+        except Exception:  # queue.Empty: fail fast if a worker died instead of waiting out the deadline
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a link-measuring worker failed (exit codes {dead}) or took over 300 s") from None
     for proc in procs:
         proc.join(60)
     return results
