@@ -86,7 +86,7 @@ def test_a_model_larger_than_the_window_budget_is_timed_window_by_window():
     (each layer here has parameters)."""
     spec = gpt_model(TINY)
     p = profile_model(spec, microbatch_size=2, dtype="float32", iterations=1)
-    sizes = [2 * x.param_bytes + x.activation_bytes + x.output_bytes for x in p.layers]
+    sizes = [2 * x.param_bytes + x.optimizer_bytes + x.activation_bytes + x.output_bytes for x in p.layers]
     assert _windows(list(p.layers), sum(sizes)) == [range(0, 4)]
     assert _windows(list(p.layers), 0) == [range(i, i + 1) for i in range(4)]  # one layer at least
     two = _windows(list(p.layers), sizes[0] + sizes[1])

@@ -392,6 +392,19 @@ def test_rank_0_killed_after_a_commit_or_at_the_end_leaves_nothing_unreported(tm
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
+def test_a_node_killed_at_the_end_while_rank_0_records_it_ends_the_run(tmp_path, failure_free):
+    """Node 3 dies after the run's last collective while rank 0 (node 0, 2 s slow there) has
+    not yet recorded the end: the others' final barrier fails first. They wait for the end
+    while rank 0 lives, so the run ends once, recorded, without a recovery after its final
+    record (they used to start one at once, and with too few nodes left would have failed
+    the finished run)."""
+    out, log = run_with_faults(tmp_path, 4, f"node=3,step={STEPS},phase=finish;"
+                                            f"node=0,step={STEPS},phase=finish,action=slow,seconds=2")
+    assert [r.get("event") for r in log if r.get("event")][-1] == "final"
+    assert [r for r in log if r.get("event") == "recovery"] == []
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
 def test_a_run_that_cannot_go_on_says_so_and_stops_its_waiting_joiner(tmp_path):
     """A step that keeps failing with every node alive ends the run (a bug, not a node failure);
     the first worker to give up publishes the failure, so a node waiting to join stops waiting

@@ -27,7 +27,10 @@ Note: [the end is recorded before anyone leaves]
     job failed. Now rank 0 records the end inside the Finish work, and every worker waits in
     one more collective (a barrier) before it leaves: a rank 0 that dies first fails the
     barrier, the survivors recover as from any failed step, and the next rank 0 records the
-    end. A failure after the end is recorded changes nothing: the survivors leave.
+    end. A failure after the end is recorded changes nothing: the survivors leave. A peer
+    other than rank 0 that dies first fails the barrier of workers that may reach it before
+    rank 0 has written the end, so a worker whose barrier failed waits for `done` while rank
+    0's node lives (lease beating, not marked dead) before it recovers.
 """
 
 from __future__ import annotations
@@ -149,11 +152,28 @@ class Run:
         except STEP_ERRORS as exc:
             cause, error = _cause(exc)
             self.failed_at = time.time()
-        if isinstance(action, Finish) and self.protocol.finished():
+        if isinstance(action, Finish) and self._end_recorded():
             self.log.warning("a peer failed after the run's end was recorded (%s); nothing is left to do", cause)
             return Finished()
         self.log.warning("step %d failed (%s); recovering", self.trainer.completed_steps, cause)
         return StepFailed(cause, error)
+
+    def _end_recorded(self) -> bool:
+        """After the run's last collective failed: whether rank 0 recorded the end. A peer that
+        died first fails the barrier while rank 0 may still be writing it, so this waits for
+        `done` as long as rank 0's node lives (at most elastic.agreement_timeout_s); a rank 0
+        that died first never records it, and the survivors recover (Note: [the end is
+        recorded before anyone leaves])."""
+        node = self.plan.members[0].node  # global rank 0's
+
+        def check() -> bool | None:
+            if self.protocol.finished():
+                return True
+            return False if self.protocol.dead([node]) else None
+        try:
+            return self.protocol.wait("rank 0 to record the run's end", check, self.cfg.elastic.agreement_timeout_s)
+        except WaitTimeout:
+            return False
 
     # --- joining ------------------------------------------------------------------------------
 

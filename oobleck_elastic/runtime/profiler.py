@@ -159,11 +159,13 @@ def _profile_layer(spec: ModelSpec, index: int, x: torch.Tensor, target: torch.T
 
 
 def _windows(layers: list[LayerProfile], budget: int) -> list[range]:
-    """Consecutive layers whose parameters, gradients, compute copies and activations fit
-    `budget` together, at least one layer each (Note: [layers timed in context])."""
+    """Consecutive layers whose parameters, gradients, optimizer state, compute copies and
+    activations fit `budget` together, at least one layer each (Note: [layers timed in
+    context])."""
     windows, start, used = [], 0, 0
     for i, layer in enumerate(layers):
-        size = 2 * layer.param_bytes + layer.compute_copy_bytes + layer.activation_bytes + layer.output_bytes
+        size = (2 * layer.param_bytes + layer.optimizer_bytes + layer.compute_copy_bytes + layer.activation_bytes
+                + layer.output_bytes)  # the optimizer steps in the window too
         if i > start and used + size > budget:
             windows.append(range(start, i))
             start, used = i, 0
