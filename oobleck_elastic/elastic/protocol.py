@@ -273,6 +273,11 @@ class Protocol:
         self.store.create_json(key, StepDecision(Outcome.ABORT).to_json())
         return StepDecision.from_json(self.store.get_json(key, 10.0))
 
+    def aborted(self, generation: int, step: int) -> bool:
+        """Whether a worker has aborted `step` of `generation` (began a recovery from it)."""
+        decision = self.store.try_get_json(f"gen{generation}/step{step}/decision")
+        return decision is not None and StepDecision.from_json(decision).outcome is Outcome.ABORT
+
     def checkpoint_written(self, generation: int, step: int, layers: int) -> int:
         """Counts `layers` more layers of the checkpoint after `step` written; returns the total."""
         return self.store.add(f"gen{generation}/checkpoint{step}", layers)

@@ -136,6 +136,7 @@ class Run:
         caught as text and handled only after the except block: until then the exception and
         its traceback keep the dead generation's groups (and their sockets) alive, and peers
         blocked on them would wait for the collective timeout."""
+        at_barrier = False
         try:
             if isinstance(action, Train):
                 return self.step()
@@ -147,29 +148,33 @@ class Run:
                 self.fault("finish", step=self.trainer.completed_steps)
             if self.report and not self.protocol.finished():  # Note: [the end is recorded before anyone leaves]
                 self.report.final(self.trainer.completed_steps, *self.summaries)
+            at_barrier = True
             self.trainer.generation.barrier()
             return Finished()
         except STEP_ERRORS as exc:
             cause, error = _cause(exc)
             self.failed_at = time.time()
-        if isinstance(action, Finish) and self._end_recorded():
+        if at_barrier and self._end_recorded():
             self.log.warning("a peer failed after the run's end was recorded (%s); nothing is left to do", cause)
             return Finished()
         self.log.warning("step %d failed (%s); recovering", self.trainer.completed_steps, cause)
         return StepFailed(cause, error)
 
     def _end_recorded(self) -> bool:
-        """After the run's last collective failed: whether rank 0 recorded the end. A peer that
+        """After the run's final barrier failed: whether rank 0 recorded the end. A peer that
         died first fails the barrier while rank 0 may still be writing it, so this waits for
-        `done` as long as rank 0's node lives (at most elastic.agreement_timeout_s); a rank 0
-        that died first never records it, and the survivors recover (Note: [the end is
-        recorded before anyone leaves])."""
+        `done` as long as rank 0's node lives and nobody began a recovery (rank 0, failed
+        before it could record the end, say), at most elastic.agreement_timeout_s; otherwise
+        the survivors recover (Note: [the end is recorded before anyone leaves])."""
         node = self.plan.members[0].node  # global rank 0's
+        generation, step = self.plan.generation, self.trainer.completed_steps
 
         def check() -> bool | None:
             if self.protocol.finished():
                 return True
-            return False if self.protocol.dead([node]) else None
+            if self.protocol.dead([node]) or self.protocol.aborted(generation, step):
+                return False
+            return None
         try:
             return self.protocol.wait("rank 0 to record the run's end", check, self.cfg.elastic.agreement_timeout_s)
         except WaitTimeout:
