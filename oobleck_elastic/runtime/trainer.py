@@ -226,11 +226,13 @@ class Trainer:
         return loss, tokens
 
     def apply(self, computed: _Computed) -> None:
-        """Clips and steps every held layer's optimizer (local: cannot fail because of a peer)."""
+        """Keeps the step's buffers, then clips and steps every held layer's optimizer (local:
+        cannot fail because of a peer)."""
         assert computed.stats.step == self.completed_steps, "apply() must follow its own compute()"
         factor = lr_factor(self.cfg.train.lr_schedule, computed.stats.step, self.cfg.train.steps)
         for n, i in enumerate(self.generation.held_layers()):
             state = self.layers[i]
+            state.buffers_into_master()  # bf16-mixed (runtime.layers Note: [mixed precision])
             if computed.clip_coef < 1.0:
                 for g in state.grads():
                     g.mul_(computed.clip_coef)
