@@ -4,8 +4,8 @@ nodes, replacements; all from outside the nodes), then the report: failures by k
 in memory or from the checkpoint, time lost per failure, steps redone, orphan processes, and
 whether the run equals a failure-free run of the same script (run alone, after): every logged
 step's loss against the reference's loss of that step, and the final weights tensor by tensor
-(from both runs' checkpoints of the last step, or the metrics log's per-layer sums and norms
-where there is none).
+(from both runs' checkpoints of the last step: a run that ends without its last step's
+checkpoint fails the comparison).
 
     python -m oobleck_elastic.chaos --nodes 4 --seed 1 --out runs/chaos \\
         examples/gpt/train.py --config examples/gpt/config.yaml --set train.dtype=float64 \\
@@ -108,20 +108,21 @@ def compare_losses(records: list[dict], reference: list[dict]) -> tuple[int, flo
 
 
 def compare_weights(job_dir: str, ref_dir: str, final: dict | None, reference: dict | None) -> tuple[float, str]:
-    """(largest relative difference, what was compared). Both checkpoints of the last step:
-    per tensor ||ours - theirs|| / ||theirs||. Without them, the final record's per-layer sums
-    and norms, each difference scaled by the layer's norm (a sum can cancel to near zero)."""
+    """(largest relative difference, what was compared): both checkpoints of the last step, per
+    tensor ||ours - theirs|| / ||theirs||. A run must end with its last step's checkpoint
+    published, so a missing one is a failure of the run (infinite difference), not a reason to
+    compare something weaker."""
     if final is None or reference is None or final.get("steps") != reference.get("steps"):
         return math.inf, "the runs' final records differ in length or are missing"
     step = final["steps"]
     try:
         layers = read_manifest(job_dir, step)["layers"]
+    except (OSError, ValueError) as exc:
+        return math.inf, f"the run's checkpoint of its last step {step} is missing or unreadable ({exc})"
+    try:
         read_manifest(ref_dir, step)
-    except (OSError, ValueError):
-        pairs = zip(final["param_sums"] + final["param_norms"], reference["param_sums"] + reference["param_norms"])
-        norms = reference["param_norms"] * 2
-        worst = max((_relative(abs(a - b), n) for (a, b), n in zip(pairs, norms)), default=0.0)
-        return worst, "per-layer sums and norms of the final record"
+    except (OSError, ValueError) as exc:
+        return math.inf, f"the failure-free run's checkpoint of step {step} is missing or unreadable ({exc})"
     ours, theirs = load_model_state(job_dir, step, layers), load_model_state(ref_dir, step, layers)
     if ours.keys() != theirs.keys():
         return math.inf, f"the checkpoints of step {step} hold different tensors"

@@ -61,6 +61,13 @@ def failure_free_40(tmp_path_factory):
 
 
 def assert_matches(final, reference, rel=1e-9):
+    """A run's final record holds the reference's weights: the same steps, one sum and one norm
+    per layer for every layer, each equal to `rel`. An empty or cut record does not match."""
+    for key in ("steps", "param_sums", "param_norms"):
+        assert key in final, f"the final record has no {key!r}: {final}"
+    assert final["steps"] == reference["steps"], (final["steps"], reference["steps"])
+    for key in ("param_sums", "param_norms"):
+        assert len(final[key]) == len(reference[key]) > 0, (key, len(final[key]), len(reference[key]))
     for ours, theirs in zip(final["param_sums"] + final["param_norms"],
                             reference["param_sums"] + reference["param_norms"]):
         assert ours == pytest.approx(theirs, rel=rel, abs=1e-12)

@@ -38,7 +38,7 @@ def run_for(node: int, held, completed: int) -> tuple[Run, list]:
     run = Run.__new__(Run)  # no store, no process group: only the decision is under test
     run.me, run.cfg, run.templates = WorkerRef(node, 0), load_config(None, ["checkpoint.dir=ckpt", "train.global_batch_size=24", "train.microbatch_size=2"]), TEMPLATES
     run.trainer, run.records, run.last_transfers = Trainer(held, completed), {}, []
-    run.checkpoints = types.SimpleNamespace(saved_step=None)
+    run.checkpoints = types.SimpleNamespace(restored_step=None)
     built = []
     run._enter = lambda record, transfers, restore_from, factor: built.append(
         {"generation": record.generation, "start": record.start_step, "nodes": record.instantiation.nodes,

@@ -70,10 +70,11 @@ def test_the_comparison_checks_every_logged_step_and_scales_by_the_norm(tmp_path
     n, worst, at = compare_losses(run, reference)
     assert (n, at) == (4, 1) and worst == pytest.approx(1e-3)
     assert compare_losses([{"step": 7, "loss": 1.0}], reference)[1] == float("inf"), "a step the reference never ran"
-    # no checkpoints: a sum that cancels to near zero is scaled by its layer's norm, not by itself
-    final = {"steps": 3, "param_sums": [-1e-3 + 1e-8, 4.0], "param_norms": [10.0, 8.0]}
+    # a run without its last step's checkpoint fails the comparison, however close its sums
+    # (the comparison used to fall back to them, which hid a run that lost its final checkpoint)
+    final = {"steps": 3, "param_sums": [-1e-3, 4.0], "param_norms": [10.0, 8.0]}
     worst, what = compare_weights(str(tmp_path / "a"), str(tmp_path / "b"), final, reference[-1])
-    assert worst == pytest.approx(1e-9) and "sums and norms" in what
+    assert worst == float("inf") and "checkpoint of its last step 3 is missing" in what, what
     assert compare_weights("a", "b", {**final, "steps": 2}, reference[-1])[0] == float("inf")
 
 

@@ -115,7 +115,13 @@ def test_a_joiner_admitted_by_a_recovery_builds_like_any_member():
 def test_a_stop_ends_the_run_after_its_step_and_a_stop_at_the_last_step_is_the_normal_end():
     c, _ = started(steps=3)
     c.handle(Built(record(0, 0)))
-    assert c.handle(StepDone(0, stop=True)) == Exit("stopped") and c.state is State.DONE
+    # a stop ends the run like its last step does: the checkpoint and the end are collectives,
+    # done again after a failure, and only then does the run exit, as stopped
+    assert c.handle(StepDone(0, stop=True)) == Finish(stopped=True) and c.state is State.TRAINING
+    c.handle(StepFailed("a node died while the stop's checkpoint was written"))
+    assert c.handle(Proposed(record(1, 1))) == Build(record(1, 1))
+    assert c.handle(Built(record(1, 1))) == Finish(stopped=True), "not the next step"
+    assert c.handle(Finished()) == Exit("stopped") and c.state is State.DONE
     c, _ = started(steps=1)
     c.handle(Built(record(0, 0)))
     assert c.handle(StepDone(0, stop=True)) == Finish()

@@ -306,13 +306,23 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def published(tmp_path, step: int) -> dict:
+    """The manifest of the job's published checkpoint of `step` (fails when there is none)."""
+    found = dict(checkpoints(str(tmp_path / "job/checkpoints")))
+    assert step in found, f"no checkpoint of step {step} was published (steps: {sorted(found)})"
+    return found[step]
+
+
 def test_a_kill_in_the_last_steps_optimizer_phase_still_ends_the_run(tmp_path, failure_free):
     """The final weight summary is a collective: a node lost there is recovered like any other
-    failure, and the run still ends with its final record (issue 10, item 9)."""
+    failure, and the run still ends with its final record (issue 10, item 9) and with the
+    checkpoint of its last step published: the survivors had written their parts of it in the
+    generation that failed, and the run used to end without it."""
     stdout, log = run_with_faults(tmp_path, 5, f"node=1,step={STEPS - 1},phase=optimizer")
     assert [(r["lost"], r["step"]) for r in log if r.get("event") == "recovery"] == [([1], STEPS)]
     assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(STEPS))
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+    assert published(tmp_path, STEPS)["layers"] == len(failure_free["param_sums"])
 
 
 def test_a_worker_paused_past_the_collective_timeout_is_slow_not_dead(tmp_path, failure_free):

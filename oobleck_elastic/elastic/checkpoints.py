@@ -20,6 +20,7 @@ from oobleck_elastic.runtime.checkpoint import (
     host_copy,
     latest_checkpoint,
     mark_complete,
+    published,
     remove_partials,
     save_layers,
 )
@@ -52,7 +53,7 @@ class RunCheckpoints:
         self.cfg, self.steps, self.model = cfg.checkpoint, cfg.train.steps, model
         self.protocol, self.fault, self.name, self.run_id = protocol, fault, name, run_id
         self.ident = checkpoint_id(run_id, model, cfg, samples)
-        self.saved_step: int | None = None  # the step of the last checkpoint written or restored
+        self.restored_step: int | None = None  # the step of the checkpoint the layers were restored from
         self.writer = BackgroundWriter(name)
 
     def resume(self) -> Resume | None:
@@ -87,18 +88,32 @@ class RunCheckpoints:
             return 0
         return step
 
+    def published(self, step: int) -> bool:
+        """Whether the checkpoint of `step` is on disk, published by this run (or the one it
+        resumed from): what a run may say it has."""
+        return published(self.cfg.dir, step, self.ident)
+
     def save(self, plan: GenerationPlan, rank: int, layers: LayerStore, done: int, final: bool = False) -> None:
         """Every checkpoint.interval steps, and after the last step or a stop (`final`): copies
         the layers this rank owns and writes them (in the background unless `final` or
-        checkpoint.background is false); whoever completes the set publishes the checkpoint. A
-        state restored from a checkpoint is not written again."""
+        checkpoint.background is false); whoever completes the set publishes the checkpoint.
+
+        Note: [final checkpoint]
+            The count of written layers is the generation's (`Protocol.checkpoint_written`),
+            so parts written in a generation that failed never complete in the next one: a
+            final checkpoint (the last step's, or a stop's) that a failure interrupted is
+            written again, whole, by the next generation's owners, unless it was published
+            meanwhile. Every worker decides alike: the publication, if any, happened before
+            the failed generation's survivors built the next one. A state restored from a
+            checkpoint, and a published step, are not written again. The end is recorded only
+            once rank 0 has seen the checkpoint published (elastic/run.py)."""
         ck = self.cfg
         if not final and (done == self.steps or not ck.interval or done % ck.interval):
             return
         failed = self.writer.wait(WRITE_TIMEOUT_S)  # one write at a time
         if failed is not None and final:
             logger.warning("[%s] an earlier checkpoint was not written (%s); the final one is", self.name, failed)
-        if done == self.saved_step:
+        if done == self.restored_step or (final and self.published(done)):
             return
         states = {i: host_copy(layers[i]) for i, r in plan.layer_owner.items() if r == rank}
 
@@ -106,10 +121,9 @@ class RunCheckpoints:
             written = save_layers(ck.dir, done, states, self.run_id)
             if self.fault:
                 self.fault("checkpoint", step=done)
-            if self.protocol.checkpoint_written(plan.generation, done, written) == self.model.num_layers:
+            if self.protocol.checkpoint_written(plan.generation, done, written, final) == self.model.num_layers:
                 mark_complete(ck.dir, done, self.ident, self.model.export, keep=ck.keep)
-                self.protocol.checkpoint_published(plan.generation, done)
-            self.saved_step = done
+                self.protocol.checkpoint_published(plan.generation, done, final)
 
         if ck.background and not final:
             self.writer.submit(write, WRITE_TIMEOUT_S)

@@ -8,7 +8,7 @@ that tests drive without processes (tests/test_controller.py).
        │                   ▲   │                  │ └──StepDone(joiners)──▶ BUILDING (Grow)
        │                   │   └──BuildFailed──┐  └──StepFailed──┐
        │                   └────Proposed───── RECOVERING ◀──────┘
-       └──RunOver──▶ DONE ◀──Finished / StepDone(stop) / Fenced (from any state)
+       └──RunOver──▶ DONE ◀──Finished (after Finish: the last step, or a stop) / Fenced (from any state)
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class Proposed:
 
 @dataclass(frozen=True)
 class Finished:
-    """The last step's checkpoint is written: the run is over."""
+    """The checkpoint of the step the run ended at is published and the end recorded: the run
+    is over."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,11 @@ class Evaluate:
 
 @dataclass(frozen=True)
 class Finish:
-    """Write the final checkpoint after the last step (a collective: it may fail)."""
+    """End the run: write the checkpoint of the step reached, check that it is published and
+    record the end (collectives: they may fail, and are then done again in the next
+    generation). `stopped`: the run stops on request before its last step."""
+
+    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,7 @@ class Controller:
         self.steps, self.eval_interval, self.max_replays = steps, eval_interval, max_replays
         self.state = State.JOINING
         self.completed = 0  # steps this worker has applied
+        self.stopping = False  # a stop was committed: the run ends at the step it reached
         self.evaluated: int | None = None  # the step after which this worker last evaluated
         self.replays: dict[int, int] = {}  # step -> replays after failures in which no node was lost
         self.last_cause: str | None = None  # the last failure, in a line
@@ -208,7 +214,7 @@ class Controller:
             if isinstance(event, StepFailed):
                 return self._recover(event.cause, event.error)
             if isinstance(event, Finished):
-                return self._to(State.DONE, Exit("done"))
+                return self._to(State.DONE, Exit("stopped" if self.stopping else "done"))
         elif state is State.RECOVERING:
             if isinstance(event, Proposed):
                 if event.replay:
@@ -222,6 +228,8 @@ class Controller:
 
     def _next_work(self) -> object:
         done, interval = self.completed, self.eval_interval
+        if self.stopping:
+            return Finish(stopped=True)
         if interval and done > 0 and done % interval == 0 and self.evaluated != done:
             return Evaluate(done)
         if done < self.steps:
@@ -232,8 +240,9 @@ class Controller:
         if event.step != self.completed:
             raise IllegalTransition(f"step {event.step} done, but step {self.completed} was the one to train")
         self.completed = event.step + 1
-        if event.stop and self.completed < self.steps:  # its checkpoint is written: the run ends
-            return self._to(State.DONE, Exit("stopped"))
+        if event.stop and self.completed < self.steps:  # the run ends here, as at its last step
+            self.stopping = True
+            return Finish(stopped=True)
         if event.joiners:
             return self._to(State.BUILDING, Grow(event.joiners))
         return self._next_work()

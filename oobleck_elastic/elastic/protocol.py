@@ -278,13 +278,19 @@ class Protocol:
         decision = self.store.try_get_json(f"gen{generation}/step{step}/decision")
         return decision is not None and StepDecision.from_json(decision).outcome is Outcome.ABORT
 
-    def checkpoint_written(self, generation: int, step: int, layers: int) -> int:
-        """Counts `layers` more layers of the checkpoint after `step` written; returns the total."""
-        return self.store.add(f"gen{generation}/checkpoint{step}", layers)
+    @staticmethod
+    def _written_key(generation: int, step: int, final: bool) -> str:
+        # a final write of a step counts apart from its interval write in the same generation:
+        # one may follow the other (a stop at a checkpoint interval whose write failed)
+        return f"gen{generation}/{'final' if final else 'checkpoint'}{step}"
 
-    def checkpoint_published(self, generation: int, step: int) -> None:
+    def checkpoint_written(self, generation: int, step: int, layers: int, final: bool = False) -> int:
+        """Counts `layers` more layers of the checkpoint after `step` written; returns the total."""
+        return self.store.add(self._written_key(generation, step, final), layers)
+
+    def checkpoint_published(self, generation: int, step: int, final: bool = False) -> None:
         """The checkpoint after `step` is complete: its count can go (Note: [store keys])."""
-        self.store.delete(f"gen{generation}/checkpoint{step}")
+        self.store.delete(self._written_key(generation, step, final))
 
     # --- membership ---------------------------------------------------------------------------
 

@@ -64,6 +64,10 @@ __all__ = ["Run"]
 
 logger = logging.getLogger(__name__)
 
+class CheckpointMissing(RuntimeError):
+    """The checkpoint the run ends with is not published (elastic/run.py _record_end)."""
+
+
 STEP_ERRORS = (RuntimeError, StepAborted)  # gloo errors are RuntimeErrors
 
 
@@ -107,9 +111,7 @@ class Run:
         action = self.controller.handle(self.start())
         while not isinstance(action, Exit):
             action = self.controller.handle(self.execute(action))
-        if self.report and action.reason == "stopped":
-            self.report.stopped(self.trainer.completed_steps, self.cfg.checkpoint.dir)
-        elif self.report and action.reason == "done":
+        if self.report and action.reason in ("done", "stopped"):
             self.report.draw_throughput(self.trainer.completed_steps)
         return action.reason
 
@@ -143,11 +145,12 @@ class Run:
             if isinstance(action, Evaluate):
                 return self.evaluate()
             self.save_checkpoint(final=True)  # the end is a collective too
+            # a collective: once it returns, every worker has written its part (Note: [final checkpoint])
             self.summaries = self.trainer.layer_summaries()
             if self.fault:
                 self.fault("finish", step=self.trainer.completed_steps)
             if self.report and not self.protocol.finished():  # Note: [the end is recorded before anyone leaves]
-                self.report.final(self.trainer.completed_steps, *self.summaries)
+                self._record_end(action.stopped)
             at_barrier = True
             self.trainer.generation.barrier()
             return Finished()
@@ -159,6 +162,20 @@ class Run:
             return Finished()
         self.log.warning("step %d failed (%s); recovering", self.trainer.completed_steps, cause)
         return StepFailed(cause, error)
+
+    def _record_end(self, stopped: bool) -> None:
+        """Rank 0: the run's end, once the checkpoint of the step it ended at is published. A
+        part that was not written (a write that failed) fails the end like a collective would,
+        so the end is done again in the next generation, and a run never says it has a
+        checkpoint that is not there."""
+        done = self.trainer.completed_steps
+        if not self.checkpoints.published(done):
+            raise CheckpointMissing(f"the checkpoint of step {done} was not published: a worker's part of it "
+                                    f"was not written (its log says why); it is written again")
+        if stopped:
+            self.report.stopped(done, self.cfg.checkpoint.dir)
+        else:
+            self.report.final(done, *self.summaries)
 
     def _end_recorded(self) -> bool:
         """After the run's final barrier failed: whether rank 0 recorded the end. A peer that
@@ -282,7 +299,7 @@ class Run:
         self.records[g] = record
         restore_from = None
         if record.restored_from is not None:  # step 0: the initial state, built afresh
-            self.checkpoints.saved_step = record.start_step
+            self.checkpoints.restored_step = record.start_step
             self.trainer.layers.keep_only(())
             transfers, restore_from = [], self.cfg.checkpoint.dir if record.restored_from else None
         elif self.trainer.layers.layers and record.start_step != self.trainer.completed_steps:
@@ -375,7 +392,7 @@ class Run:
         if self.report:
             self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
-        self.save_checkpoint(final=decision.stop)  # a failure before it is written is recovered
+        self.save_checkpoint()  # at the interval; a stop's is written by the Finish that follows
         if plan.generation > self.forgotten and plan.rank_of(self.me) == 0:  # Note: [store keys]
             self.forgotten = plan.generation
             try:

@@ -26,6 +26,7 @@ from oobleck_elastic.elastic.store import StoreUnreachable
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.node import with_job_settings
 from oobleck_elastic.launcher.zygote import ForkedNode, Zygote
+from oobleck_elastic.runtime.checkpoint import read_manifest
 
 __all__ = ["LocalNodes", "run_local_job", "node_command"]
 
@@ -336,6 +337,12 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
                 break
         return 1
     if done.get("stopped"):
+        try:  # the run records a stop only once its checkpoint is published; look anyway before saying so
+            read_manifest(done["checkpoint_dir"], done["steps"])
+        except (OSError, ValueError) as exc:
+            print(f"oobleck: stopped on request after step {done['steps']}, but its checkpoint is not in "
+                  f"{done['checkpoint_dir']} ({exc}); a relaunch resumes from an older one", file=sys.stderr)
+            return 1
         print(f"oobleck: stopped on request after step {done['steps']}; its checkpoint is in {done['checkpoint_dir']}: "
               "run the same command to resume from it")
         return 0

@@ -209,9 +209,9 @@ class RunReport:
         self.tensorboard.figure("throughput", figure, steps)
 
     def stopped(self, steps: int, directory: str) -> None:
-        """The run stopped on request after `steps` steps, with their checkpoint written."""
+        """The run stopped on request after `steps` steps, with their checkpoint published (the
+        throughput figure is drawn after, as for final())."""
         self.flush_recovery()
-        self.draw_throughput(steps)
         self.sink.write({"event": "stopped", "steps": steps, "checkpoint_dir": directory, "time": time.time()})
         self.mirror.publish_done({"steps": steps, "stopped": True, "checkpoint_dir": directory})
 

@@ -56,7 +56,7 @@ from oobleck_elastic.runtime.layers import LayerState, LayerStore
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint, state_shapes
 
 __all__ = ["CheckpointId", "checkpoint_id", "job_key", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints",
-           "latest_checkpoint", "find_resume", "remove_partials", "read_manifest", "load_model_state",
+           "latest_checkpoint", "published", "find_resume", "remove_partials", "read_manifest", "load_model_state",
            "restore_layers", "host_copy", "BackgroundWriter"]
 
 logger = logging.getLogger(__name__)
@@ -327,6 +327,18 @@ def latest_checkpoint(root: str, ident: CheckpointId, *, verify: bool = True) ->
         if ours and _loadable(meta, ident) and (not verify or _intact(root, step, meta)):
             return step
     return None
+
+
+def published(root: str, step: int, ident: CheckpointId) -> bool:
+    """Whether `step_<step>` under `root` is a checkpoint of this run (or the one it resumed
+    from) and job: complete by construction (Note: [checkpoint manifest]); its files are
+    checked when they are loaded."""
+    try:
+        meta = read_manifest(root, step)
+    except (OSError, ValueError):
+        return False
+    ours = meta.get("run_id") == ident.run_id or (meta.get("run_id"), step) == ident.resumed
+    return ours and _loadable(meta, ident)
 
 
 def _differences(meta: Mapping[str, Any], ident: CheckpointId) -> list[str]:

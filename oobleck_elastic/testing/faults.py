@@ -19,7 +19,8 @@ last collective is done, its end not yet recorded). grow and admit fire at the f
 after step K, since when a joiner is ready is not known in advance. `action=slow,seconds=S` makes the worker
 sleep S seconds each time it reaches the phase of that step (a slow transfer, say);
 `action=raise` makes it raise an error each time (a bug: the step fails with every node alive),
-`action=glitch` once (a transient error: the same nodes replay the step). A worker of the
+`action=glitch` once (a transient error: the same nodes replay the step), `action=term` sends
+its agent SIGTERM once (a scheduler stopping the node: the run stops after the step). A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -39,7 +40,7 @@ from oobleck_elastic.errors import ConfigError
 
 __all__ = ["Fault", "parse_faults", "FaultInjector", "KillRecorder", "PHASES"]
 
-ACTIONS = ("kill", "stop", "slow", "raise", "glitch")
+ACTIONS = ("kill", "stop", "slow", "raise", "glitch", "term")
 PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "bootstrap", "build", "transfer",
           "transfer_send", "transfer_receive", "agreement", "restore", "checkpoint", "eval", "grow", "admit",
           "finish")
@@ -109,6 +110,9 @@ class FaultInjector:
             elif fault.action == "glitch":  # once: a transient error, the step is replayed
                 self.faults.remove(fault)
                 raise RuntimeError(f"injected glitch at {phase} of step {step} on node {self.node}")
+            elif fault.action == "term":  # once: what a scheduler sends a node it stops
+                self.faults.remove(fault)
+                os.kill(os.getppid(), signal.SIGTERM)
             elif fault.action == "stop":
                 self.faults.remove(fault)  # once: after SIGCONT the step is replayed
                 os.kill(os.getpid(), signal.SIGSTOP)
