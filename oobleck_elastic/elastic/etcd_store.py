@@ -8,12 +8,23 @@ Counters and compare-and-set use etcd's own `prevExist` and `prevIndex` conditio
 groups bootstrap through torch's etcd-backed c10d store under `/oobleck/<run_id>/torch/`.
 
 Note: [idempotent etcd writes]
-    A PUT whose response is lost is sent again by urllib3 (PUT counts as idempotent): the first
-    one was applied, so the retry's condition fails (`prevIndex` moved, or the key exists) and
-    a naive caller would add a second time or think it lost a compare-and-set. So a counter's
-    value carries the token of the write that made it (`{"n": 5, "by": "<token>"}`), and a
-    failed condition is checked against what is stored: our own token (or, for a create, our
-    own value) means our write is the one that was applied.
+    A PUT whose response is lost is sent again by urllib3 (PUT counts as idempotent), and by
+    `_call` through an outage: the first one was applied, so the retry's condition fails
+    (`prevIndex` moved, or the key exists) and a naive caller would add a second time or think
+    it lost a compare-and-set. Other writers' adds may land between our applied write and its
+    retry, so the stored value need not be ours any more: a counter's value keeps the token of
+    each of its last COUNTER_WRITES writes with the value that write made (`{"n": 7, "writes":
+    [..., ["<token>", 6], ["<token>", 7]]}`), and a failed condition looks for our token there:
+    found, our write was applied and made that value; not found, another add came first and we
+    add to it. A create (`create_json`) is ours when the stored value is our own.
+    Why 64: every counter of the protocol gets at most one add per worker (or per node) it
+    counts, so a counter with up to 65 writers is exact whatever the timing; a larger one is
+    exact unless more than 64 adds land between a lost response and its retry (milliseconds
+    for a reset connection, the request timeout, 5 s, for an answer that never came, longer
+    only through an outage that stops the other writers too). The bound keeps the value every
+    poll of a counter reads under 2 KB; tokens are 64 random bits, so two alike among one
+    counter's 64 is a 2^-53 chance. Values written before counters kept their writes (`{"n":
+    5, "by": "<token>"}`, a run started before the upgrade) are read as one write.
 
 Note: [etcd outages]
     etcd restarted under a running job (with its data), a network blip or a leader election
@@ -37,8 +48,8 @@ from __future__ import annotations
 import base64
 import json
 import os
+import secrets
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -54,6 +65,7 @@ from oobleck_elastic.errors import ConfigError
 __all__ = ["EtcdAccess", "EtcdStore"]
 
 OUTAGE_RETRY_S = 0.2
+COUNTER_WRITES = 64  # the writes a counter keeps (Note: [idempotent etcd writes]: why 64)
 
 
 @dataclass(frozen=True)
@@ -172,38 +184,32 @@ class EtcdStore(MembershipStore):
             return None
 
     def add(self, key: str, amount: int) -> int:
-        """Adds to a counter exactly once, even when the transport retries the write (Note:
-        [idempotent etcd writes])."""
+        """Adds to a counter exactly once, even when the transport sends the write again after
+        other writers' adds landed (Note: [idempotent etcd writes])."""
         path = self._key(key)
-        token = uuid.uuid4().hex
+        token = secrets.token_hex(8)
         while True:
             try:
                 current = self._call(self._client.read, path)
             except etcd.EtcdKeyNotFound:
-                if amount == 0:
-                    return 0
-                try:
-                    self._call(self._client.write, path, _counter(amount, token), prevExist=False)
-                    return amount
-                except etcd.EtcdAlreadyExist:
-                    if (ours := self._written_by(path, token)) is not None:
-                        return ours
-                    continue  # someone created it first: add to theirs
-            value = _count(current.value)
+                current = None
+            stored = {"n": 0} if current is None else json.loads(current.value)
             if amount == 0:
-                return value
+                return int(stored["n"])
+            value = int(stored["n"]) + amount
+            condition = {"prevExist": False} if current is None else {"prevIndex": current.modifiedIndex}
             try:
-                self._call(self._client.write, path, _counter(value + amount, token), prevIndex=current.modifiedIndex)
-                return value + amount
-            except etcd.EtcdCompareFailed:
-                if (ours := self._written_by(path, token)) is not None:
+                self._call(self._client.write, path, _counter(stored, value, token), **condition)
+                return value
+            except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
+                if (ours := self._made_by(path, token)) is not None:
                     return ours
-                continue  # someone added meanwhile: read again
+                # another writer's add came first: read again and add to it
 
-    def _written_by(self, path: str, token: str) -> int | None:
-        """The counter's value if the write that made it carries `token`."""
+    def _made_by(self, path: str, token: str) -> int | None:
+        """The value the write carrying `token` made, if it is among the counter's recent writes."""
         stored = json.loads(self._call(self._client.read, path).value)
-        return stored["n"] if stored.get("by") == token else None
+        return next((made for by, made in _writes(stored) if by == token), None)
 
     def create_json(self, key: str, value: Any) -> bool:
         text = json.dumps(value)
@@ -263,9 +269,15 @@ class EtcdStore(MembershipStore):
         return deleted
 
 
-def _counter(value: int, token: str) -> str:
-    return json.dumps({"n": value, "by": token})
+def _counter(stored: dict, value: int, token: str) -> str:
+    """A counter's new value: `value`, and the recent writes with this one last."""
+    writes = [*_writes(stored), [token, value]][-COUNTER_WRITES:]
+    return json.dumps({"n": value, "writes": writes}, separators=(",", ":"))
 
 
-def _count(stored: str) -> int:
-    return int(json.loads(stored)["n"])
+def _writes(stored: dict) -> list[list]:
+    """A counter's recent writes, [token, value made] the oldest first (Note: [idempotent etcd
+    writes]); a value written before counters kept them is one write."""
+    if "writes" in stored:
+        return stored["writes"]
+    return [[stored["by"], stored["n"]]] if "by" in stored else []
