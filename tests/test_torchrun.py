@@ -61,6 +61,22 @@ def test_a_finished_run_refuses_new_nodes_and_a_client_never_hosts():
     assert not client.store.is_master and client.store.try_get_json("done") == {"steps": 3}
 
 
+def test_a_failed_run_on_etcd_refuses_new_nodes():
+    """A failed run keeps its records in etcd; its id started again must not join it (it used
+    to exit 0 on every node without training)."""
+    with etcd_server() as port:
+        params = RendezvousParameters(backend="oobleck", endpoint=f"127.0.0.1:{port}", run_id="crashed",
+                                      min_nodes=1, max_nodes=1, join_timeout="5", store="etcd")
+        handler = get_rendezvous_handler(params)
+        handler.protocol.publish_failure("CUDA out of memory\nmore lines", "node 0 rank 1")
+        with pytest.raises(RendezvousError, match=rf"run 'crashed' at etcd://127.0.0.1:{port} failed \(node 0 "
+                           r"rank 1: CUDA out of memory\); give the new job its own --rdzv-id"):
+            handler.next_rendezvous()
+        with pytest.raises(RendezvousError, match=r"or delete its records \(the keys under /oobleck/crashed/\)"):
+            handler.next_rendezvous()
+        assert handler.protocol.registered() == 0, "refused before it registered"
+
+
 def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: str = "",
                  extra: tuple[str, ...] = (), during=None, entry: tuple[str, ...] = (SCRIPT,)) -> list[subprocess.Popen]:
     """`nodes` torchrun processes (each its own session, so a fault kills one node) running

@@ -81,12 +81,25 @@ class OobleckRendezvousHandler(RendezvousHandler):
         """Whether this agent hosts the (embedded) store the others use."""
         return isinstance(self.store, EmbeddedStore) and self.store.is_master
 
-    def _register(self) -> int:
-        if self.node is None and self.protocol.finished():
+    def _refuse_ended_run(self) -> None:
+        """A node started with the id of a run that finished or failed would join a run that
+        trains no more (a failed one exited 0 on every node without training): it is refused."""
+        where = f"run '{self.store.run_id}' at {self.store.url}"
+        if self.protocol.finished():
+            raise RendezvousError(f"{where} has already finished; give each job its own --rdzv-id (a run's "
+                                  "records stay in the store)")
+        if (failure := self.protocol.failure()) is not None:
+            error = (str(failure.get("error", "")).splitlines() or ["unknown error"])[0][:120]
+            keys = "" if isinstance(self.store, EmbeddedStore) else f" (the keys under /oobleck/{self.store.run_id}/)"
             raise RendezvousError(
-                f"run '{self.store.run_id}' at {self.store.url} has already finished; give each job its "
-                "own --rdzv-id (a run's records stay in the store)")
-        if self.node is not None:
+                f"{where} failed ({failure.get('by', 'a worker')}: {error}); give the new job its own --rdzv-id "
+                f"(a failed run's records stay in the store, to be looked at), or delete its records{keys} "
+                "to reuse this id")
+
+    def _register(self) -> int:
+        if self.node is None:
+            self._refuse_ended_run()
+        else:
             # torch's agent restarts this node's workers (one of them exited, and it stopped
             # the others): the run has lost them. Say so at once, so the survivors need not
             # wait for a lease, and come back as a new node that joins like any other.
