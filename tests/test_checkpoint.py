@@ -105,11 +105,18 @@ def test_a_damaged_file_is_never_loaded(tmp_path):
     data = bytearray(path.read_bytes())
     data[-20] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert latest_checkpoint(str(tmp_path), me) == 1, "the damaged step is skipped, the older one used"
+    # the step is chosen from the manifests (a damaged byte is not seen without reading every
+    # file: issue 30, item 7); the layer is checked as it is loaded, and the fallback then
+    # leaves the step out (the run marks it damaged) and takes the one before it
+    assert latest_checkpoint(str(tmp_path), me) == 2
     with pytest.raises(OobleckError, match="do not match their checksum"):
         restore_layers(str(tmp_path), 2, LayerStore(SPEC, load_config(None, []).train, torch.device("cpu")), [1])
     with pytest.raises(OobleckError, match="do not match their checksum"):
         load_model_state(str(tmp_path), 2, SPEC.num_layers)
+    assert latest_checkpoint(str(tmp_path), me, exclude={2}) == 1
+    # a file missing, or not the size it was written, is seen from the manifest alone
+    (tmp_path / "step_00000002" / "layer_0000" / "__0_0.distcp").write_bytes(b"short")
+    assert latest_checkpoint(str(tmp_path), me) == 1
     os.remove(tmp_path / "step_00000001" / "layer_0000" / ".metadata")
     assert latest_checkpoint(str(tmp_path), me) is None
 
@@ -166,7 +173,7 @@ def test_resume_takes_the_newest_checkpoint_of_the_job_or_the_one_named(tmp_path
               r"checkpoint; .*\(and \d+ more\)"),
     ("batch", r"train.global_batch_size = 64 here, 32 in the checkpoint"),
     ("manifest", r"its manifest.json is damaged or missing"),
-    ("file", r"a layer file is missing or does not match its checksum"),
+    ("file", r"a layer file is missing or is not the size it was written"),
 ])
 def test_a_checkpoint_that_cannot_be_resumed_is_one_clear_error_and_stays_untouched(tmp_path, case, expected):
     write(tmp_path, 4, store(0), ident("a"))
@@ -266,3 +273,57 @@ def test_the_background_writer_runs_one_write_at_a_time_and_keeps_its_error():
     writer.submit(lambda: release.clear() or threading.Event().wait(5), timeout=10)
     with pytest.raises(OobleckError, match="has not finished after 0 s"):
         writer.wait(timeout=0.01)
+
+
+def test_resume_and_keep_follow_the_newest_run_not_the_highest_step(tmp_path):
+    """A run that went back (checkpoint.load_step) writes lower steps than the run it left:
+    resume takes its newest checkpoint and `keep` retires the oldest, never its own new ones
+    (issue 30, item 4: keep used to delete them as soon as they were published, and resume
+    went back to the longer run)."""
+    import dataclasses
+
+    long_run = dataclasses.replace(ident("none"), instance="first")
+    for step in (4, 8, 12):
+        write(tmp_path, step, store(0), long_run)
+    went_back = dataclasses.replace(ident("none"), instance="second", resumed=("none", 4))
+    # before it wrote anything, its fallback is the checkpoint it resumed from, not the
+    # other start's newer ones under the same run id (torchrun's default id is "none")
+    assert latest_checkpoint(str(tmp_path), went_back) == 4
+    write(tmp_path, 6, store(1), went_back, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000006", "step_00000012"]
+    assert find_resume(str(tmp_path), ident("later"), load_step=None, max_step=30)[0] == 6
+    assert latest_checkpoint(str(tmp_path), went_back) == 6
+
+
+def test_keep_spares_the_step_a_generation_restores(tmp_path):
+    """A write of the failed generation may publish while the next one restores an older step:
+    `keep` does not retire it under the readers (issue 30, item 5)."""
+    me = ident("a")
+    write(tmp_path, 2, store(0), me)
+    save_layers(str(tmp_path), 4, copies(store(0)), "a")
+    mark_complete(str(tmp_path), 4, me, SPEC.export, keep=1, protect=lambda: {2})
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000004"]
+    write(tmp_path, 6, store(0), me, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000006"]
+
+
+def test_another_jobs_checkpoint_is_refused_at_start_never_replaced_and_never_restored(tmp_path):
+    """Two jobs in one checkpoint.dir: the second is refused before it trains, whatever
+    checkpoint.resume says; a checkpoint of another job at the same step is not replaced; and a
+    step_<k> that is not this run's is not taken for its own (issue 30, item 2)."""
+    from oobleck_elastic.runtime.checkpoint import check_dir, published
+
+    theirs = ident("x", "train.seed=5")
+    write(tmp_path, 4, store(5), theirs)
+    mine = ident("y")
+    with pytest.raises(OobleckError, match=r"holds a checkpoint of another job .*train.seed = 0 here, 5 in the "
+                                           r"checkpoint.*give this job its own checkpoint.dir") as caught:
+        check_dir(str(tmp_path), mine)
+    assert "\n" not in str(caught.value)
+    check_dir(str(tmp_path), ident("z", "train.seed=5"))  # the same job: allowed
+    before = snapshot(tmp_path)
+    save_layers(str(tmp_path), 4, copies(store(0)), "y")
+    with pytest.raises(OobleckError, match="belongs to another job"):
+        mark_complete(str(tmp_path), 4, mine)
+    assert {k: v for k, v in snapshot(tmp_path).items() if k.startswith("step_")} == before
+    assert not published(str(tmp_path), 4, mine) and published(str(tmp_path), 4, theirs)

@@ -223,6 +223,48 @@ def test_more_than_f_failures_fall_back_to_the_checkpoint(tmp_path, failure_free
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
+def test_a_damaged_checkpoint_found_while_restoring_falls_back_to_the_one_before(tmp_path, failure_free):
+    """Every node waits 6 s before step 3's commit while a byte of the published checkpoint of
+    step 2 is flipped (same size: nothing but its checksum tells); then nodes 1 and 3 die, more
+    than f. The fallback chooses step 2 from the manifests, a worker finds the damage as it
+    loads its layer, the step is marked damaged and the next fallback starts the run again
+    from its initial state, exactly (issue 30, items 5 and 7: the read error crashed every
+    survivor, and each survivor hashed the whole checkpoint before it could propose)."""
+    slow = ";".join(f"node={n},step=3,phase=commit,action=slow,seconds=6" for n in range(5))
+    env = {**os.environ, "OOBLECK_FAULT": f"{slow};node=1,step=3,phase=committed;node=3,step=3,phase=committed"}
+    extra = ["--set", "checkpoint.interval=2", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    launcher = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
+                                 "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT,
+                                 *job_args(tmp_path, "job"), *extra], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 200
+        while 2 not in dict(checkpoints(str(tmp_path / "ckpt"))):
+            assert time.monotonic() < deadline and launcher.poll() is None, "step 2's checkpoint never appeared"
+            time.sleep(0.1)
+        path = tmp_path / "ckpt/step_00000002/layer_0005/__0_0.distcp"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    log = records(tmp_path / "job/metrics.jsonl")
+    recoveries = [r for r in log if r.get("event") == "recovery"]
+    assert [r["restored_from"] for r in recoveries][-1] == 0, recoveries
+    steps = [r["step"] for r in log if "step" in r and "event" not in r]
+    assert steps[-STEPS:] == list(range(STEPS)) and steps[:4] == [0, 1, 2, 3], steps
+    found = [line for log_file in (tmp_path / "logs").glob("*.log") for line in log_file.read_text().splitlines()
+             if "the checkpoint of step 2 did not load" in line]
+    every = "\n".join(line for f in (tmp_path / "logs").glob("*.log") for line in f.read_text().splitlines()
+                      if "WARN" in line or "ERROR" in line)
+    assert found and "do not match their checksum" in found[0], every[-4000:]
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+
+
 def test_no_replica_before_the_first_checkpoint_starts_the_run_again_exactly(tmp_path, failure_free):
     """More than f nodes lost before any checkpoint: the initial state is rebuilt exactly on the
     survivors and the run goes on from step 0 (it used to end with an error: issue 14's chaos

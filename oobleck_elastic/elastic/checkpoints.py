@@ -15,6 +15,8 @@ from oobleck_elastic.elastic.records import GenerationRecord, Resumed
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.checkpoint import (
     BackgroundWriter,
+    CheckpointUnreadable,
+    check_dir,
     checkpoint_id,
     find_resume,
     host_copy,
@@ -56,14 +58,20 @@ class RunCheckpoints:
         self.restored_step: int | None = None  # the step of the checkpoint the layers were restored from
         self.writer = BackgroundWriter(name)
 
+    def start(self, instance: str) -> None:
+        """This start of the run (Protocol.instance): what its checkpoints carry."""
+        self.ident = dataclasses.replace(self.ident, instance=instance)
+
     def resume(self) -> Resume | None:
         """The checkpoint generation 0 resumes from (checkpoint.resume), or None to start
-        afresh. A checkpoint that cannot be resumed is published as the run's start error, so
-        that every worker fails with the same line, and raised."""
+        afresh. A checkpoint that cannot be resumed, or a checkpoint.dir holding another job's
+        checkpoints, is published as the run's start error, so that every worker fails with
+        the same line, and raised."""
         ck = self.cfg
         try:
             found = None if ck.resume == "never" else find_resume(ck.dir, self.ident, load_step=ck.load_step,
                                                                     max_step=self.steps)
+            check_dir(ck.dir, self.ident)
         except OobleckError as exc:
             self.protocol.refuse_start(str(exc))
             raise
@@ -80,10 +88,11 @@ class RunCheckpoints:
             self.ident = dataclasses.replace(self.ident, resumed=(first.resumed.run_id, first.resumed.step))
 
     def fallback_step(self) -> int | None:
-        """The newest intact checkpoint of this run (or the one it resumed from); before the
-        first one, step 0: the initial state, which every worker rebuilds exactly (Note: [layer
-        initialisation] in runtime/model.py); None for a resumed run whose checkpoint is gone."""
-        step = latest_checkpoint(self.cfg.dir, self.ident)
+        """The newest checkpoint of this run (or the one it resumed from) not found damaged;
+        before the first one, step 0: the initial state, which every worker rebuilds exactly
+        (Note: [layer initialisation] in runtime/model.py); None for a resumed run whose
+        checkpoint is gone."""
+        step = latest_checkpoint(self.cfg.dir, self.ident, exclude=self.protocol.damaged())
         if step is None and self.ident.resumed is None:
             return 0
         return step
@@ -122,13 +131,35 @@ class RunCheckpoints:
             if self.fault:
                 self.fault("checkpoint", step=done)
             if self.protocol.checkpoint_written(plan.generation, done, written, final) == self.model.num_layers:
-                mark_complete(ck.dir, done, self.ident, self.model.export, keep=ck.keep)
+                mark_complete(ck.dir, done, self.ident, self.model.export, keep=ck.keep,
+                              protect=self.protocol.restoring)
                 self.protocol.checkpoint_published(plan.generation, done, final)
 
         if ck.background and not final:
             self.writer.submit(write, WRITE_TIMEOUT_S)
         else:
             write()
+
+    def settle(self, timeout: float) -> None:
+        """Before a recovery: the failed generation's checkpoint write under way is finished
+        (up to `timeout`), so the fallback sees what it published and a restore does not race
+        its `keep`. A write still going after that is left to finish; `keep` spares the step
+        the next generation restores."""
+        try:
+            failed = self.writer.wait(timeout)
+        except OobleckError as exc:
+            logger.warning("[%s] %s; recovering meanwhile", self.name, exc)
+            return
+        if failed is not None:
+            logger.warning("[%s] the last checkpoint was not written (%s)", self.name, failed)
+
+    def check_restorable(self, step: int) -> None:
+        """Before a generation restores `step`: its checkpoint is this run's (or the one it
+        resumed from) and this job's, as the record says; a node whose checkpoint.dir holds
+        another run's `step_<k>`, or none, fails the build instead of loading it."""
+        if not self.published(step):
+            raise CheckpointUnreadable(step, f"{self.cfg.dir!r} holds no checkpoint of step {step} of run "
+                                             f"{self.ident.run_id}: gone, or another run's")
 
     def close(self) -> None:
         """Finishes a checkpoint under way (it is not cut short by the process ending)."""

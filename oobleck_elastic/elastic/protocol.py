@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -72,7 +73,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # The keys a run leaves behind (Note: [store keys]); README: etcd keys.
 RECORDS = re.compile(r"generation(/\d+)?|recovery/\d+|progress|done|resumed|failed|start_error|stop|closed"
-                     r"|limits|job|profile|nodes/next|nodes/\d+(/dead|/left)?")
+                     r"|limits|job|instance|profile|nodes/next|nodes/\d+(/dead|/left)?|checkpoint/\d+/damaged")
 # a generation's working keys, but its checkpoint counts: a background write may still add to one
 _GENERATION_KEY = re.compile(r"(?:gen|rollcall/)(\d+)/(?!checkpoint\d+$)")
 LIVENESS_CHECK_S = 0.05  # how often a commit wait looks for dead members (store round trips)
@@ -135,6 +136,12 @@ class Protocol:
             more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
             raise OobleckError(f"this node was started with another job than the run it joins: {shown}{more}. "
                                "Start every node with the same model and config, or give this job its own --rdzv-id")
+
+    def instance(self) -> str:
+        """This start of the run: one random id, the first worker's, that every worker and
+        joiner reads (runtime/checkpoint.py Note: [newest checkpoint])."""
+        self.store.create_json("instance", uuid.uuid4().hex[:12])
+        return self.store.get_json("instance", 10.0)
 
     def max_nodes(self) -> int | None:
         """The job's limit on nodes (torchrun's --nnodes=MIN:MAX), written before generation 0."""
@@ -217,6 +224,8 @@ class Protocol:
         def check() -> bool:
             if self.dead(nodes):
                 raise StepAborted(f"a member of generation {generation} died while it was built")
+            if self.store.try_get_json(f"rollcall/{generation}/started"):  # a member's build failed
+                raise StepAborted(f"a member of generation {generation} failed to build it and is recovering")
             return self.store.add(key, 0) >= workers
         try:
             self.wait(f"every member of generation {generation} to build it", check, timeout)
@@ -287,6 +296,24 @@ class Protocol:
     def checkpoint_written(self, generation: int, step: int, layers: int, final: bool = False) -> int:
         """Counts `layers` more layers of the checkpoint after `step` written; returns the total."""
         return self.store.add(self._written_key(generation, step, final), layers)
+
+    def mark_damaged(self, step: int, why: str) -> None:
+        """The checkpoint of `step` failed to load (a layer's checksum, a missing file): no
+        fallback takes it again (runtime/checkpoint.py Note: [newest checkpoint])."""
+        self.store.set_json(f"checkpoint/{step}/damaged", {"why": why, "at": self.wall()})
+
+    def damaged(self) -> set[int]:
+        """The steps whose checkpoints were found damaged."""
+        return {int(m.group(1)) for k in self.store.keys() if (m := re.fullmatch(r"checkpoint/(\d+)/damaged", k))}
+
+    def restoring(self) -> set[int]:
+        """The checkpoint step the newest generation restores, if it restores one: `keep` must
+        not retire it while its members load it."""
+        record = self.try_pointer()
+        if record is None:
+            return set()
+        record = self.current(10.0)
+        return {record.restored_from} if record.restored_from else set()
 
     def checkpoint_published(self, generation: int, step: int, final: bool = False) -> None:
         """The checkpoint after `step` is complete: its count can go (Note: [store keys])."""

@@ -55,6 +55,7 @@ from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError, RunFailed
 from oobleck_elastic.planning import WorkerRef, instantiate, layer_holders
+from oobleck_elastic.runtime.checkpoint import CheckpointUnreadable
 from oobleck_elastic.planning.recovery import Base, NextLayout, NoCheckpointError, is_replay, plan_next, transfers_between
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
@@ -201,6 +202,7 @@ class Run:
 
     def start(self) -> Started:
         self.protocol.check_same_job(job_description(self.cfg, self.model))
+        self.checkpoints.start(self.protocol.instance())
         pointer = self.protocol.pointer(self.cfg.elastic.join_timeout_s)
         self.max_nodes = self.protocol.max_nodes()  # written before the pointer
         first = self.protocol.try_record(0) or pointer
@@ -335,10 +337,14 @@ class Run:
         self.trainer.set_timeout(self.cfg.elastic.collective_timeout_s * timeout_factor)
         started = time.perf_counter()
         try:
+            if restore_from is not None:
+                self.checkpoints.check_restorable(plan.start_step)
             self.trainer.build(plan, transfers, settle=False, restore_from=restore_from)
             self.protocol.built(plan.generation, len(plan.members), plan.instantiation.nodes,
                                 self.cfg.elastic.agreement_timeout_s)
         except STEP_ERRORS as exc:
+            if isinstance(exc, CheckpointUnreadable):  # no fallback takes it again
+                self.protocol.mark_damaged(exc.step, exc.why)
             cause, error = _cause(exc, f" while building generation {record.generation}")
         else:
             cause = None
@@ -347,6 +353,7 @@ class Run:
                                 else self.trainer.last_build_s).items():
                 self.change[1][name] = self.change[1].get(name, 0.0) + value
         if cause:
+            self.log.warning("%s; recovering", cause)
             return BuildFailed(cause, error)
         self.trainer.settle()
         self._report_generation(record)
@@ -454,6 +461,9 @@ class Run:
                 self.report.flush_recovery()  # a failure before the last recovery's replay finished
         old, step, ela = self.plan, self.trainer.completed_steps, self.cfg.elastic
         self.trainer.close()  # frees gloo sockets: peers blocked on us fail fast
+        # before the roll call, so the survivors' fallback sees what the failed generation's
+        # writes published, and their restore does not race its `keep`
+        self.checkpoints.settle(ela.agreement_timeout_s / 2)
         t1 = time.perf_counter()
         if self.protocol.decide_abort(old.generation, step).outcome is Outcome.COMMIT:
             raise AssertionError("a committed step cannot fail before apply(): apply is local")

@@ -24,6 +24,20 @@ Note: [checkpoint manifest]
     The in-run fallback loads only checkpoints of this run (or the one it resumed from);
     resuming loads the newest checkpoint of the same job, and names what differs when the
     newest one belongs to another job. Files that do not match their checksums are never loaded.
+
+Note: [newest checkpoint]
+    "Newest" is the last published (the manifest's `time`), not the highest step: a run that
+    went back (checkpoint.load_step, or resume: never in a directory holding a longer run)
+    writes lower steps than the run it left, and it is the trajectory the user continues. So
+    resume takes the newest, `keep` retires the oldest, and export takes the newest. A run's
+    own checkpoints are those of this start of it (`instance`, agreed through the store: a
+    run id may be used again, torchrun's default is "none"), plus the one it resumed from.
+    The step is chosen from the manifests (a stat per file); whoever loads a layer checks it
+    against its checksum as it loads it, so a restore costs each worker its own layers, not
+    the whole checkpoint. A checkpoint found damaged then is marked so in the store, and the
+    next fallback takes the newest one before it. A checkpoint.dir holding another job's
+    checkpoints is refused when a job starts (`check_dir`), and another job's step is never
+    replaced: two jobs must not share one.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +69,8 @@ from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.layers import LayerState, LayerStore
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint, state_shapes
 
-__all__ = ["CheckpointId", "checkpoint_id", "job_key", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints",
-           "latest_checkpoint", "published", "find_resume", "remove_partials", "read_manifest", "load_model_state",
+__all__ = ["CheckpointId", "CheckpointUnreadable", "checkpoint_id", "job_key", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints",
+           "latest_checkpoint", "published", "check_dir", "find_resume", "remove_partials", "read_manifest", "load_model_state",
            "restore_layers", "host_copy", "BackgroundWriter"]
 
 logger = logging.getLogger(__name__)
@@ -66,6 +80,20 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 3
 _STEP = re.compile(r"step_(\d+)")
+
+
+class CheckpointUnreadable(RuntimeError):
+    """A checkpoint a generation restores did not load (a checksum, a missing file, another
+    run's step): a failed build, recovered like any other, with the step marked damaged so
+    the next fallback takes the one before it (Note: [newest checkpoint])."""
+
+    def __init__(self, step: int, why: str) -> None:
+        super().__init__(f"the checkpoint of step {step} did not load ({why}); the fallback takes the one before it")
+        self.step, self.why = step, why
+
+    @classmethod
+    def of(cls, step: int, exc: BaseException) -> CheckpointUnreadable:
+        return cls(step, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
 
 
 def plain(value: Any) -> Any:
@@ -112,6 +140,9 @@ class CheckpointId:
     """Every state_dict entry's 'dtype[shape]' (runtime.model.state_shapes)."""
     resumed: tuple[str, int] | None = None
     """(run id, step) of the checkpoint this run resumed from: the fallback may load it too."""
+    instance: str | None = None
+    """This start of the run (Note: [newest checkpoint]): a run id may be used again (torchrun's
+    default is "none"), and one run's fallback must not load another start's checkpoints."""
 
     @property
     def digest(self) -> str:
@@ -222,28 +253,32 @@ def _merge_metadata(directory: str, num_layers: int) -> None:
 
 
 def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str, Any] | None = None,
-                  keep: int | None = None) -> None:
+                  keep: int | None = None, protect: Callable[[], Iterable[int]] = tuple) -> None:
     """Publishes the checkpoint of `step` once every layer file is written: the manifest, then
     one rename (Note: [checkpoint manifest]); `model` is the ModelSpec's export description.
-    With `keep`, only the newest `keep` checkpoints of this job stay."""
+    With `keep`, only the newest `keep` checkpoints of this job stay, and those `protect()`
+    names (a step being restored) are not retired."""
     partial = _partial_dir(root, step, ident.run_id)
-    sums = []
+    sums, sizes = [], []
     for i in range(ident.num_layers):
         try:
             with open(_layer_dir(partial, i) + ".sha256") as f:
                 sums.append(f.read().strip())
+            path = _layer_dir(partial, i)
+            sizes.append({name: os.path.getsize(os.path.join(path, name)) for name in os.listdir(path)})
         except FileNotFoundError as exc:
             raise OobleckError(f"checkpoint {partial}: layer {i}, written by another node, is not there; "
                                "checkpoint.dir must be a directory every node shares (a network file "
                                "system), not a local one") from exc
     manifest = {"format": MANIFEST_FORMAT, "step": step, "run_id": ident.run_id, "digest": ident.digest,
                 "job": dict(ident.job), "params": dict(ident.params), "layers": ident.num_layers,
-                "sha256": sums, "model": dict(model or {}), "time": time.time(),
-                "resumed_from": list(ident.resumed) if ident.resumed else None}
+                "sha256": sums, "sizes": sizes, "model": dict(model or {}), "time": time.time(),
+                "resumed_from": list(ident.resumed) if ident.resumed else None, "instance": ident.instance}
     _merge_metadata(partial, ident.num_layers)
     _atomic_write(json.dumps(manifest).encode(), os.path.join(partial, MANIFEST))
     final = _step_dir(root, step)
-    if os.path.exists(final):  # another run's step k (or a rewrite): replaced as a whole
+    _refuse_other_job(root, step, ident)
+    if os.path.exists(final):  # another run's step k of this job (or a rewrite): replaced as a whole
         aside = os.path.join(root, f".replaced-step_{step:08d}-{os.getpid()}")
         os.rename(final, aside)
         os.rename(partial, final)
@@ -252,10 +287,24 @@ def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str,
         os.rename(partial, final)
     _fsync_dir(root)
     remove_partials(root, ident.run_id, before=step)
-    if keep:
+    if keep:  # the newest, not the highest steps (Note: [newest checkpoint])
         ours = [s for s, meta in checkpoints(root) if meta.get("digest") == ident.digest]
-        for old in ours[keep:]:
+        in_use = set(protect()) if ours[keep:] else set()
+        for old in (s for s in ours[keep:] if s not in in_use):
             shutil.rmtree(_step_dir(root, old), ignore_errors=True)
+
+
+def _refuse_other_job(root: str, step: int, ident: CheckpointId) -> None:
+    """Another job's checkpoint of `step` is never replaced: two jobs sharing a checkpoint.dir
+    are refused when they start (`check_dir`); this is the last guard, for two started at once."""
+    try:
+        meta = read_manifest(root, step)
+    except (OSError, ValueError):
+        return
+    if meta.get("digest") != ident.digest:
+        raise OobleckError(f"{_step_dir(root, step)} belongs to another job (run {meta.get('run_id')!r}); it is "
+                           "not replaced, and this checkpoint is not published: give each job its own "
+                           "checkpoint.dir")
 
 
 def _fsync_dir(path: str) -> None:
@@ -291,26 +340,22 @@ def _steps(root: str) -> list[int]:
     return sorted((int(m.group(1)) for m in map(_STEP.fullmatch, os.listdir(root)) if m), reverse=True)
 
 
+def _recency(item: tuple[int, Mapping[str, Any]]) -> tuple[float, int]:
+    step, meta = item
+    published_at = meta.get("time")
+    return (published_at if isinstance(published_at, (int, float)) else 0.0), step
+
+
 def checkpoints(root: str) -> list[tuple[int, dict[str, Any]]]:
-    """(step, manifest) of every published checkpoint under `root` whose manifest reads, newest
-    step first."""
+    """(step, manifest) of every published checkpoint under `root` whose manifest reads, the
+    newest first: the last published, not the highest step (Note: [newest checkpoint])."""
     found = []
     for step in _steps(root):
         try:
             found.append((step, read_manifest(root, step)))
         except (OSError, ValueError):
             continue
-    return found
-
-
-def _intact(root: str, step: int, manifest: Mapping[str, Any]) -> bool:
-    for i, expected in enumerate(manifest["sha256"]):
-        try:
-            if _layer_digest(_layer_dir(_step_dir(root, step), i)) != expected:
-                return False
-        except OSError:
-            return False
-    return True
+    return sorted(found, key=_recency, reverse=True)
 
 
 def _loadable(meta: Mapping[str, Any], ident: CheckpointId) -> bool:
@@ -318,13 +363,42 @@ def _loadable(meta: Mapping[str, Any], ident: CheckpointId) -> bool:
             and meta.get("layers") == ident.num_layers and len(meta.get("sha256", ())) == ident.num_layers)
 
 
-def latest_checkpoint(root: str, ident: CheckpointId, *, verify: bool = True) -> int | None:
-    """The fallback of a running job: the highest step with a checkpoint of this run (or the one
-    it resumed from) and job whose files match their checksums (with `verify`), or None (Note:
-    [checkpoint manifest])."""
+def _ours(meta: Mapping[str, Any], step: int, ident: CheckpointId) -> bool:
+    """Whether a checkpoint was written by this start of the run, or is the one it resumed
+    from (Note: [newest checkpoint]); a manifest without `instance` goes by its run id."""
+    if (meta.get("run_id"), step) == ident.resumed:
+        return True
+    if ident.instance is not None and meta.get("instance") is not None:
+        return meta["instance"] == ident.instance
+    return meta.get("run_id") == ident.run_id
+
+
+def _layers_present(root: str, step: int, meta: Mapping[str, Any]) -> bool:
+    """Every layer's files are there (and of the sizes written, where the manifest says):
+    a stat per file, not a read; the checksums are checked by whoever loads a layer."""
+    sizes = meta.get("sizes")
+    for i in range(len(meta.get("sha256", ()))):
+        path = _layer_dir(_step_dir(root, step), i)
+        try:
+            have = {name: os.path.getsize(os.path.join(path, name)) for name in os.listdir(path)}
+        except OSError:
+            return False
+        if ".metadata" not in have or not os.path.exists(path + ".sha256"):
+            return False
+        if sizes is not None and have != sizes[i]:
+            return False
+    return True
+
+
+def latest_checkpoint(root: str, ident: CheckpointId, *, exclude: Iterable[int] = ()) -> int | None:
+    """The fallback of a running job: the newest checkpoint of this run (or the one it resumed
+    from) and job whose files are all there, but those in `exclude` (found damaged when they
+    were loaded), or None. Chosen from the manifests; every worker checks the layers it loads
+    against their checksums as it loads them (Note: [checkpoint manifest])."""
+    skip = set(exclude)
     for step, meta in checkpoints(root):
-        ours = meta.get("run_id") == ident.run_id or (meta.get("run_id"), step) == ident.resumed
-        if ours and _loadable(meta, ident) and (not verify or _intact(root, step, meta)):
+        if step not in skip and _ours(meta, step, ident) and _loadable(meta, ident) and \
+                _layers_present(root, step, meta):
             return step
     return None
 
@@ -337,8 +411,19 @@ def published(root: str, step: int, ident: CheckpointId) -> bool:
         meta = read_manifest(root, step)
     except (OSError, ValueError):
         return False
-    ours = meta.get("run_id") == ident.run_id or (meta.get("run_id"), step) == ident.resumed
-    return ours and _loadable(meta, ident)
+    return _ours(meta, step, ident) and _loadable(meta, ident)
+
+
+def check_dir(root: str, ident: CheckpointId) -> None:
+    """A job starts only in a checkpoint.dir that holds no other job's checkpoints, whatever
+    checkpoint.resume says: a checkpoint of the same step would be replaced, and a node whose
+    directory is another one's would load it. One OobleckError naming the first it found."""
+    for step, meta in checkpoints(root):
+        if meta.get("digest") != ident.digest:
+            differ = _differences(meta, ident) or ["the checkpoint's job digest differs"]
+            raise OobleckError(f"checkpoint.dir {root!r} holds a checkpoint of another job ({_step_dir(root, step)}, "
+                               f"run {meta.get('run_id')!r}: {'; '.join(differ)}); give this job its own "
+                               "checkpoint.dir, or move the other job's checkpoints away")
 
 
 def _differences(meta: Mapping[str, Any], ident: CheckpointId) -> list[str]:
@@ -370,7 +455,8 @@ def find_resume(root: str, ident: CheckpointId, *, load_step: int | None, max_st
                            f"(steps found: {have})")
     if not steps:
         return None
-    step = load_step if load_step is not None else steps[0]
+    newest = checkpoints(root)  # the newest published one: the trajectory the user left (Note: [newest checkpoint])
+    step = load_step if load_step is not None else (newest[0][0] if newest else steps[0])
     where = _step_dir(root, step)
     how = ("set checkpoint.load_step to another step, checkpoint.resume=never to start afresh, or another "
            "checkpoint.dir")
@@ -389,9 +475,9 @@ def find_resume(root: str, ident: CheckpointId, *, load_step: int | None, max_st
     if step > max_step:
         raise OobleckError(f"cannot resume from {where}: it is after step {step} but train.steps is {max_step}; "
                            f"raise train.steps to train further, or {how}")
-    if not _intact(root, step, meta):
-        raise OobleckError(f"cannot resume from {where}: a layer file is missing or does not match its checksum "
-                           f"(changed or damaged since it was written); {how}")
+    if not _layers_present(root, step, meta):
+        raise OobleckError(f"cannot resume from {where}: a layer file is missing or is not the size it was written "
+                           f"(changed or damaged since); {how}")
     return step, meta
 
 

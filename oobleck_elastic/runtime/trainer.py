@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.planning import Transfer, WorkerRef
-from oobleck_elastic.runtime.checkpoint import restore_layers
+from oobleck_elastic.runtime.checkpoint import CheckpointUnreadable, restore_layers
 from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
 from oobleck_elastic.runtime.devices import resolve_device
 from oobleck_elastic.runtime.generation import Generation
@@ -140,7 +140,10 @@ class Trainer:
         t2 = time.perf_counter()
         if restore_from is not None:
             self.fault("restore")
-            restore_layers(restore_from, plan.start_step, self.layers, gen.held_layers())
+            try:
+                restore_layers(restore_from, plan.start_step, self.layers, gen.held_layers())
+            except Exception as exc:  # whatever failed reading it: a failed build (Note: [newest checkpoint])
+                raise CheckpointUnreadable.of(plan.start_step, exc) from exc
         for i in gen.held_layers():
             if i not in self.layers:
                 if self.completed_steps:
