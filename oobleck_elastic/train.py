@@ -58,13 +58,15 @@ def prepare(cfg: JobConfig) -> tuple[ModelSpec, Any, Any]:
 
 def check_resume(cfg: JobConfig, spec: ModelSpec, data: Any, held_out: Any = None) -> int | None:
     """The step the job will resume from (checkpoint.resume), or None; a checkpoint that cannot
-    be resumed is one OobleckError here, before any node starts, and is left untouched."""
-    from oobleck_elastic.runtime.checkpoint import checkpoint_id, find_resume
+    be resumed, or a checkpoint.dir holding another job's checkpoints, is one OobleckError
+    here, before any node starts, and is left untouched."""
+    from oobleck_elastic.runtime.checkpoint import check_dir, checkpoint_id, find_resume
 
-    if cfg.checkpoint.resume == "never":
-        return None
-    found = find_resume(cfg.checkpoint.dir, checkpoint_id("launcher", spec, cfg, len(data)),
-                        load_step=cfg.checkpoint.load_step, max_step=cfg.train.steps)
+    ident = checkpoint_id("launcher", spec, cfg, len(data))
+    found = None
+    if cfg.checkpoint.resume != "never":
+        found = find_resume(cfg.checkpoint.dir, ident, load_step=cfg.checkpoint.load_step, max_step=cfg.train.steps)
+    check_dir(cfg.checkpoint.dir, ident)
     return None if found is None else found[0]
 
 

@@ -162,4 +162,10 @@ def test_sigterm_to_one_agent_stops_the_job_and_nothing_is_redone(tmp_path, refe
     assert other.returncode != 0
     assert "error: cannot resume from" in other.stderr and "the model differs" in other.stderr, other.stderr
     assert "Traceback" not in other.stdout + other.stderr
+    # and with checkpoint.resume=never: its step 12 would have replaced this job's (issue 30, item 2)
+    fresh = subprocess.run(launch(tmp_path, 2, "fresh", extra=["--set", "model.d_model=32", "--set",
+                                                              "checkpoint.resume=never"]),
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert fresh.returncode != 0 and "holds a checkpoint of another job" in fresh.stderr, fresh.stderr
+    assert "Traceback" not in fresh.stdout + fresh.stderr
     assert {p: p.stat().st_mtime_ns for p in checkpoints.rglob("*")} == before
