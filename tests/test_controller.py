@@ -7,7 +7,8 @@ import pytest
 
 from oobleck_elastic.elastic.controller import (
     Admitted, Build, BuildFailed, Built, Controller, EvalDone, Evaluate, Exit, FencedOut, Finish, Finished, GiveUp,
-    Grow, IllegalTransition, Join, Proposed, Recover, RunOver, Started, State, StepDone, StepFailed, Train,
+    MAX_REPLAYS_WITHOUT_LOSS, Grow, IllegalTransition, Join, Proposed, Recover, RunOver, Started, State, StepDone,
+    StepFailed, Train,
 )
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.planning import build_instantiation
@@ -93,6 +94,28 @@ def test_each_replay_with_every_node_alive_doubles_the_timeout_then_the_run_give
     with pytest.raises(GiveUp, match=r"(?s)step 0 failed 4 times with every node alive.*RuntimeError: timed out"
                                      r".*the whole of it"):
         c.handle(Proposed(record(4, 0), replay=True))
+
+
+def test_a_build_that_keeps_failing_with_every_node_alive_gives_up_instead_of_looping():
+    """Any error while a generation is built is a failed build (Note: [failed build] in
+    elastic/run.py), so a bug there would fail every build: each recovery of it is a replay on
+    the same nodes, counted like a step's, and the run gives up after the same few."""
+    c, _ = started(steps=5)
+    c.handle(Built(record(0, 0)))
+    c.handle(StepDone(0))
+    c.handle(StepFailed("RuntimeError: peer gone"))
+    c.handle(Proposed(record(1, 1, nodes=((0, 1), (2,)), lost=(3,))))  # a node lost: not a replay
+    cause = "LookupError while building generation {}: Timeout while waiting for keys in EtcdStore"
+    factors = []
+    for g in range(1, MAX_REPLAYS_WITHOUT_LOSS + 1):
+        assert c.handle(BuildFailed(cause.format(g), f"Traceback {g}")) == Recover(cause.format(g))
+        factors.append(c.handle(Proposed(record(g + 1, 1), replay=True)).timeout_factor)
+    assert factors == [2, 4, 8]
+    last = MAX_REPLAYS_WITHOUT_LOSS + 1
+    c.handle(BuildFailed(cause.format(last), "Traceback (most recent call last): the whole of it"))
+    with pytest.raises(GiveUp, match=rf"(?s)step 1 failed 4 times with every node alive.*LookupError while "
+                                     rf"building generation {last}.*the whole of it"):
+        c.handle(Proposed(record(last + 1, 1), replay=True))
 
 
 def test_joiners_ready_at_a_commit_grow_the_run_at_that_boundary():

@@ -1,7 +1,8 @@
 """Stock torchrun with `--rdzv-backend=oobleck`: torch finds the handler through its
 `torchrun.handlers` entry point, a job on the embedded store trains exactly like one process,
-and a job on a real etcd server loses node 0 to a SIGKILL and finishes with the weights of a
-failure-free run (no launcher of ours marks the node dead: its lease does)."""
+and a job on a real etcd server loses node 0 to a SIGKILL, or a joiner as the generation
+admitting it is built, and finishes with the weights of a failure-free run (no launcher of ours
+marks the node dead: its lease does)."""
 
 from __future__ import annotations
 
@@ -78,15 +79,17 @@ def test_a_failed_run_on_etcd_refuses_new_nodes():
 
 
 def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: str = "",
-                 extra: tuple[str, ...] = (), during=None, entry: tuple[str, ...] = (SCRIPT,)) -> list[subprocess.Popen]:
+                 extra: tuple[str, ...] = (), during=None, entry: tuple[str, ...] = (SCRIPT,),
+                 nnodes: str | None = None) -> list[subprocess.Popen]:
     """`nodes` torchrun processes (each its own session, so a fault kills one node) running
-    `entry`, waited for; `during(procs)`, if given, runs while they do."""
+    `entry`, waited for; `during(procs)`, if given, runs while they do. `nnodes`: torchrun's
+    `--nnodes` (default `nodes`); with MIN:MAX the nodes past MIN join the running job."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_FAULT": fault, "PYTHONPATH": str(ROOT)}
     procs = []
     for node in range(nodes):
         with open(tmp_path / f"torchrun{node}.log", "w") as log:
             procs.append(subprocess.Popen(
-                [*TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=oobleck",
+                [*TORCHRUN, f"--nnodes={nnodes or nodes}", "--nproc-per-node=1", "--rdzv-backend=oobleck",
                  f"--rdzv-endpoint={endpoint}", "--rdzv-id=torchruntest", "--monitor-interval=0.1", *conf,
                  *entry, *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB", *extra],
                 cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -147,6 +150,34 @@ def test_stock_torchrun_on_etcd_survives_losing_node_0(tmp_path, failure_free):
     assert [r["step"] for r in steps] == list(range(STEPS)), "each step logged exactly once"
     assert all(r["samples"] == 64 for r in steps)
     assert_matches(log[-1], failure_free)
+
+
+def test_a_joiner_killed_while_its_generation_bootstraps_is_a_failed_build(tmp_path, failure_free_40, monkeypatch):
+    """Under --nnodes=2:3 the third node to register (node 2) joins the running job, and is
+    SIGKILLed while the generation admitting it bootstraps: its default group made, its
+    subgroups not. The members wait in torch's etcd-backed c10d store for subgroup keys the
+    joiner never writes and get `LookupError: Timeout while waiting for keys in EtcdStore`: a
+    failed build, recovered like any (Note: [failed build]; it used to end every member's
+    worker, and so the job, with nobody left to recover). The run goes on without node 2,
+    exactly."""
+    steps = 40  # long enough for the joiner to get ready and be admitted before the end
+    # when it is admitted is not known in advance: a fault at every step's bootstrap fires at its first
+    fault = ";".join(f"node=2,step={k},phase=bootstrap" for k in range(steps))
+    kills = tmp_path / "kills.jsonl"
+    monkeypatch.setenv("OOBLECK_FAULT_LOG", str(kills))
+    timeouts = ("--set", "elastic.collective_timeout_s=2", "--set", "elastic.lease_timeout_s=3",
+                "--set", "elastic.agreement_timeout_s=10")
+    with etcd_server() as port:
+        procs = run_torchrun(tmp_path, 3, f"127.0.0.1:{port}", ["--rdzv-conf=store=etcd"], fault=fault,
+                             extra=("--set", f"train.steps={steps}", *timeouts), nnodes="2:3")
+    assert sorted(p.returncode for p in procs) == [-9, 0, 0], logs(tmp_path, 3)
+    assert [(k["node"], k["phase"]) for k in records(kills)] == [(2, "bootstrap")], "the joiner died building"
+    log = records(tmp_path / "job/metrics.jsonl")
+    causes = [r["cause"] for r in log if r.get("event") == "recovery"]
+    assert any("LookupError while building generation" in c for c in causes), causes
+    assert [r["nodes"] for r in log if r.get("event") == "generation"][-1] == [0, 1]
+    assert [r["step"] for r in log if "step" in r and "event" not in r] == list(range(steps))
+    assert_matches(log[-1], failure_free_40)
 
 
 def test_a_worker_torch_restarts_comes_back_as_a_new_node(tmp_path):

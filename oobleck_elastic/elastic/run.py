@@ -9,6 +9,26 @@ is here. Every generation record carries its instantiation and its `base`: the l
 every member finished building. So all workers derive the same transfers, and a generation
 whose build failed part-way is skipped: the next one is planned from its base again.
 
+Note: [failed build]
+    Whatever is raised while a generation is built (its default group bootstrapping through
+    the store, its subgroups, the layer transfers, a restore, the built barrier) is a failed
+    build, recovered like a failed step: not only gloo's and torch's TCPStore's RuntimeErrors,
+    since torch's etcd-backed c10d store times out with LookupError and python-etcd raises
+    errors of its own. A joiner SIGKILLed while the generation admitting it bootstrapped (stock
+    torchrun on etcd) left every member waiting for its keys; each failed with `LookupError:
+    Timeout while waiting for keys in EtcdStore`, and the job was lost with nobody left to
+    recover it. An OobleckError stays fatal: each means this worker or the whole run must stop,
+    and building again cannot help. Fenced: this worker is out of the run and must leave its
+    state alone (execute() makes it FencedOut). RunFailed: the run cannot go on, and tells the
+    others. StoreUnreachable: the membership store is gone past its outage timeout, so no
+    recovery could agree on anything. A checkpoint that does not load (damaged, gone, another
+    run's) is not fatal: the trainer raises CheckpointUnreadable, the step is marked damaged,
+    and the next fallback takes the one before it (runtime/checkpoint.py Note: [newest
+    checkpoint]). A bug that fails every
+    build with every node alive is a failed build too, yet cannot loop: its recoveries are
+    replays (planning/recovery.py is_replay), and the controller gives up after
+    MAX_REPLAYS_WITHOUT_LOSS of them with the last error whole (GiveUp, elastic/controller.py).
+
 Note: [orphaned run]
     Members propose every generation, so a run whose members are all dead at once (more kills
     than survivors, or survivors fenced) has nobody left to admit the nodes waiting to join:
@@ -324,7 +344,8 @@ class Run:
         return self.records[generation]
 
     def _enter(self, record: GenerationRecord, transfers, restore_from: str | None, timeout_factor: int) -> object:
-        """Builds a generation and waits until every member has."""
+        """Builds a generation and waits until every member has; whatever fails meanwhile, but an
+        OobleckError, is a failed build (Note: [failed build])."""
         plan = GenerationPlan(generation=record.generation, start_step=record.start_step,
                               workers_per_node=self.who.local_world_size, instantiation=record.instantiation,
                               templates=self.templates)
@@ -342,7 +363,9 @@ class Run:
             self.trainer.build(plan, transfers, settle=False, restore_from=restore_from)
             self.protocol.built(plan.generation, len(plan.members), plan.instantiation.nodes,
                                 self.cfg.elastic.agreement_timeout_s)
-        except STEP_ERRORS as exc:
+        except OobleckError:  # this worker or the run must stop (Note: [failed build])
+            raise
+        except Exception as exc:  # whatever torch or the store raised: a failed build
             if isinstance(exc, CheckpointUnreadable):  # no fallback takes it again
                 self.protocol.mark_damaged(exc.step, exc.why)
             cause, error = _cause(exc, f" while building generation {record.generation}")
