@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome, RecordError, Resumed, StepDecision
@@ -89,6 +91,11 @@ def test_a_record_round_trips_through_its_json_and_is_checked_against_the_job():
     assert record.check(TEMPLATES, global_batch=24, microbatch=2, steps=10) is record
     with pytest.raises(RecordError, match="outside the run's 0..5"):
         record.check(TEMPLATES, global_batch=24, microbatch=2, steps=5)
+    # a record whose instantiation has no pipeline (only spares) trains nothing: refused
+    empty = dataclasses.replace(record, instantiation=dataclasses.replace(
+        record.instantiation, pipelines=(), spares=record.instantiation.nodes))
+    with pytest.raises(RecordError, match="it has no pipeline"):
+        empty.check(TEMPLATES, global_batch=24, microbatch=2, steps=10)
     resumed = GenerationRecord(generation=0, nodes=BASE.instantiation.nodes, instantiation=BASE.instantiation,
                                start_step=4, restored_from=4, resumed=Resumed("a", 4))
     assert GenerationRecord.from_json(resumed.to_json()).resumed == Resumed("a", 4)

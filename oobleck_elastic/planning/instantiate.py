@@ -91,7 +91,9 @@ def check_instantiation(inst: Instantiation, templates: TemplateSet, global_batc
     if len(set(everyone)) != len(everyone) or any(not isinstance(n, int) or n < 0 for n in everyone):
         problems.append(f"nodes {everyone} are not distinct node ids")
     covered = sum(p.microbatches for p in inst.pipelines) * microbatch
-    if inst.pipelines and covered != global_batch:
+    if not inst.pipelines:  # nothing would train, and every sample of the step would be lost
+        problems.append("it has no pipeline")
+    elif covered != global_batch:
         problems.append(f"its microbatches hold {covered} samples, not the global batch of {global_batch}")
     if problems:
         raise PlanningError("invalid instantiation: " + "; ".join(problems))
