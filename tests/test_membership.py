@@ -114,8 +114,8 @@ def test_a_node_started_with_another_job_is_refused_naming_the_keys():
     from oobleck_elastic.errors import OobleckError
     from runtime_harness import model_and_data
 
-    def job(sets):
-        return job_description(load_config(None, sets), model_and_data("gpt")[0])
+    def job(sets, workers=1):
+        return job_description(load_config(None, sets), model_and_data("gpt")[0], workers)
 
     store = host_store("127.0.0.1", 0, "samejob")
     check_same_job = Protocol(store).check_same_job
@@ -124,3 +124,6 @@ def test_a_node_started_with_another_job_is_refused_naming_the_keys():
     with pytest.raises(OobleckError, match=r"train.global_batch_size = 64 here, 32 in the run; "
                                            r"train.seed = 0 here, 3 in the run"):
         check_same_job(job(["train.global_batch_size=64"]))
+    # every plan lays the same number of workers on each node (issue 30, item 10)
+    with pytest.raises(OobleckError, match=r"nproc_per_node = 2 here, 1 in the run"):
+        check_same_job(job(["train.seed=3"], workers=2))

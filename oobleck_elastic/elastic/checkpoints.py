@@ -137,8 +137,14 @@ class RunCheckpoints:
 
         if ck.background and not final:
             self.writer.submit(write, WRITE_TIMEOUT_S)
-        else:
+            return
+        try:  # a failed write is the same in the foreground: logged, the checkpoint not published
             write()
+        except OobleckError:  # the setup is wrong (a checkpoint.dir not shared, another job's step): say so
+            raise
+        except Exception as exc:  # for a final one, rank 0 sees it unpublished and the end is done again
+            logger.error("[%s] writing the checkpoint of step %d failed; it is not published: %s", self.name, done,
+                         str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
 
     def settle(self, timeout: float) -> None:
         """Before a recovery: the failed generation's checkpoint write under way is finished

@@ -40,11 +40,13 @@ def _flatten(prefix: str, value: object) -> dict[str, object]:
     return {prefix: value}
 
 
-def job_description(cfg: JobConfig, model: ModelSpec) -> dict[str, object]:
-    """What every node of the run must agree on (flat dotted keys, JSON values)."""
+def job_description(cfg: JobConfig, model: ModelSpec, workers_per_node: int) -> dict[str, object]:
+    """What every node of the run must agree on (flat dotted keys, JSON values), with its
+    worker count: every plan lays the same number of workers on each node, so a node started
+    with another --nproc-per-node is refused, not planned as if it had the others'."""
     fingerprint = model_fingerprint(model, DTYPES[cfg.train.param_dtype])
     flat: dict[str, object] = {"model.fingerprint": f"{model.name}:{fingerprint}",
-                               "fault_tolerance": cfg.fault_tolerance}
+                               "fault_tolerance": cfg.fault_tolerance, "nproc_per_node": workers_per_node}
     for name in ("train", "data", "planner", "checkpoint", "eval"):
         flat.update(_flatten(name, plain(getattr(cfg, name))))
     for local in LOCAL_KEYS:

@@ -170,10 +170,17 @@ class Run:
             self.summaries = self.trainer.layer_summaries()
             if self.fault:
                 self.fault("finish", step=self.trainer.completed_steps)
+            recorded = True
             if self.report and not self.protocol.finished():  # Note: [the end is recorded before anyone leaves]
-                self._record_end(action.stopped)
+                recorded = self._record_end(action.stopped)
             at_barrier = True
-            self.trainer.generation.barrier()
+            # rank 0's verdict rides on the barrier: a live rank 0 that cannot record the end
+            # would otherwise leave the others in it until the roll call's timeout
+            if not self.trainer.generation.barrier(recorded):
+                at_barrier = False
+                raise CheckpointMissing(f"the checkpoint of step {self.trainer.completed_steps} was not published: "
+                                        "a worker's part of it was not written (its log says why); the end is done "
+                                        "again")
             return Finished()
         except STEP_ERRORS as exc:
             cause, error = _cause(exc)
@@ -184,19 +191,19 @@ class Run:
         self.log.warning("step %d failed (%s); recovering", self.trainer.completed_steps, cause)
         return StepFailed(cause, error)
 
-    def _record_end(self, stopped: bool) -> None:
-        """Rank 0: the run's end, once the checkpoint of the step it ended at is published. A
-        part that was not written (a write that failed) fails the end like a collective would,
-        so the end is done again in the next generation, and a run never says it has a
-        checkpoint that is not there."""
+    def _record_end(self, stopped: bool) -> bool:
+        """Rank 0: records the run's end once the checkpoint of the step it ended at is
+        published; whether it did. A part that was not written (a write that failed) fails the
+        end for everyone (the final barrier's verdict), so the end is done again in the next
+        generation, and a run never says it has a checkpoint that is not there."""
         done = self.trainer.completed_steps
         if not self.checkpoints.published(done):
-            raise CheckpointMissing(f"the checkpoint of step {done} was not published: a worker's part of it "
-                                    f"was not written (its log says why); it is written again")
+            return False
         if stopped:
             self.report.stopped(done, self.cfg.checkpoint.dir)
         else:
             self.report.final(done, *self.summaries)
+        return True
 
     def _end_recorded(self) -> bool:
         """After the run's final barrier failed: whether rank 0 recorded the end. A peer that
@@ -221,7 +228,7 @@ class Run:
     # --- joining ------------------------------------------------------------------------------
 
     def start(self) -> Started:
-        self.protocol.check_same_job(job_description(self.cfg, self.model))
+        self.protocol.check_same_job(job_description(self.cfg, self.model, self.who.local_world_size))
         self.checkpoints.start(self.protocol.instance())
         pointer = self.protocol.pointer(self.cfg.elastic.join_timeout_s)
         self.max_nodes = self.protocol.max_nodes()  # written before the pointer

@@ -346,10 +346,13 @@ class Generation:
         return (float(stats[0]), int(round(float(stats[1]))), float(stats[2]), int(round(float(stats[3]))),
                 float(stats[4]))
 
-    def barrier(self) -> None:
-        """Returns once every worker of the generation got here (a world-wide all-reduce of
-        nothing, on the CPU: gloo under either backend), or raises as any collective does."""
-        dist.all_reduce(torch.zeros(1))
+    def barrier(self, agree: bool = True) -> bool:
+        """Returns once every worker of the generation got here (a world-wide all-reduce of one
+        number, on the CPU: gloo under either backend), or raises as any collective does;
+        whether every worker passed `agree` true (a verdict all of them learn at once)."""
+        verdict = torch.tensor([1.0 if agree else 0.0])
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+        return bool(verdict.item() == 1.0)
 
     def held_layers(self) -> tuple[int, ...]:
         return self.role.layer_ids if self.role else ()
