@@ -4,8 +4,17 @@ replicas cover, and the final state.
 Note: [checkpoint format]
     `<checkpoint.dir>/step_<k>/` is one torch.distributed.checkpoint (DCP) checkpoint of the
     whole model after k optimizer steps, under the model's own names: `model.<param>` (each
-    layer module's state_dict), `optim.<param>.<state>` (exp_avg, step, ...) and
-    `optim_groups` (hyperparameters). Each layer is written once, by its owner, as a DCP
+    layer module's state_dict) and `optim.<param>.<state>` (exp_avg, step, ...): tensors
+    only. It carries per-parameter state, not hyperparameters: a restored layer's optimizer is
+    the job's config's (lr, weight_decay, betas, the groups of train.no_weight_decay), built
+    by `LayerStore.materialize` like every other replica's, and only its per-parameter state
+    comes from the checkpoint, by parameter name, whatever the group split. So a job may
+    resume with another lr or weight decay, and a replica restored from the checkpoint steps
+    exactly like one rebuilt later by a layer transfer; the LR schedule scales the config's
+    lr (`LayerState.base_lrs`) after a restore as for a fresh layer. (Checkpoints written
+    before this also hold `optim_groups`, the optimizer's hyperparameters then: never read.)
+    Nothing in a checkpoint directory runs code when it is loaded (runtime.dcp_reader Note:
+    [checkpoint trust]). Each layer is written once, by its owner, as a DCP
     checkpoint of its own in `layer_<i>/` (`dcp.save(..., no_dist=True)`: no collective, so a
     write never waits for another worker), with its SHA-256 beside it; the step's `.metadata`
     merges the layers', so `dcp_to_torch_save(step_dir, out)` and `dcp.load` read the step as
@@ -51,7 +60,6 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 import threading
 import time
 import warnings
@@ -61,11 +69,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.runtime.dcp_reader import empty_tensors, flat_keys, load_tensors, read_metadata
 from oobleck_elastic.runtime.layers import LayerState, LayerStore
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint, state_shapes
 
@@ -200,16 +208,20 @@ def _copied(value: Any) -> Any:
 
 def _named_state(state: LayerState) -> dict[str, Any]:
     """A layer's checkpoint state under the model's own names (live tensors): `model` is the
-    module's state_dict, `optim` the optimizer's per-parameter state keyed by parameter name,
-    `optim_groups` its hyperparameters. Note: [checkpoint format]."""
+    module's state_dict, `optim` the optimizer's per-parameter state keyed by parameter name;
+    no hyperparameters (Note: [checkpoint format])."""
     out: dict[str, Any] = {"model": state.module.state_dict()}
     if state.optimizer:
-        sd = state.optimizer.state_dict()
-        name_of = {id(p): n for n, p in state.named_params}
-        order = [name_of[id(p)] for group in state.optimizer.param_groups for p in group["params"]]
-        out["optim"] = {order[index]: values for index, values in sd["state"].items()}
-        out["optim_groups"] = sd["param_groups"]
+        order = _optimizer_names(state)
+        out["optim"] = {order[index]: values for index, values in state.optimizer.state_dict()["state"].items()}
     return out
+
+
+def _optimizer_names(state: LayerState) -> list[str]:
+    """The names of the optimizer's parameters in the order its state_dict numbers them (group
+    after group: the numbers change with the groups, the names do not)."""
+    name_of = {id(p): n for n, p in state.named_params}
+    return [name_of[id(p)] for group in state.optimizer.param_groups for p in group["params"]]
 
 
 def host_copy(state: LayerState) -> dict[str, Any]:
@@ -241,7 +253,7 @@ def _merge_metadata(directory: str, num_layers: int) -> None:
     (`dcp_to_torch_save`, `dcp.load`) read the step as one checkpoint (Note: [checkpoint format])."""
     tensors, storage, planner = {}, {}, {}
     for i in range(num_layers):
-        meta = FileSystemReader(_layer_dir(directory, i)).read_metadata()
+        meta = read_metadata(_layer_dir(directory, i))
         tensors.update(meta.state_dict_metadata)
         planner.update(meta.planner_data or {})
         for index, info in meta.storage_data.items():
@@ -498,37 +510,50 @@ def load_model_state(root: str, step: int, num_layers: int) -> dict[str, torch.T
     model's own names; the copies of a tied parameter must agree)."""
     state: dict[str, torch.Tensor] = {}
     sums = read_manifest(root, step)["sha256"]
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(num_layers):
-            out = os.path.join(tmp, f"{i}.pt")
-            dcp_to_torch_save(_checked_layer(root, step, i, sums[i]), out)
-            for name, value in torch.load(out, weights_only=True)["model"].items():
-                if name in state and not torch.equal(state[name], value):
-                    raise ValueError(f"checkpoint of step {step}: two layers hold different values for {name!r}")
-                state[name] = value
+    for i in range(num_layers):
+        path = _checked_layer(root, step, i, sums[i])
+        metadata = read_metadata(path)  # runtime.dcp_reader Note: [checkpoint trust]
+        model = empty_tensors(path, metadata, "model")
+        load_tensors(path, metadata, {"model": model})
+        for name, value in model.items():
+            if name in state and not torch.equal(state[name], value):
+                raise ValueError(f"checkpoint of step {step}: two layers hold different values for {name!r}")
+            state[name] = value
     return state
 
 
 def restore_layers(root: str, step: int, layers: LayerStore, indices: Iterable[int]) -> None:
-    """Builds the given layers from the checkpoint of `step` (parameters, buffers and optimizer
-    state, loaded in place by DCP), each layer checked against the manifest's checksum."""
+    """Builds the given layers from the checkpoint of `step`: each is materialised by the job's
+    config (its optimizer and param_groups too), then its parameters, buffers and per-parameter
+    optimizer state are loaded in place by DCP, once its files match the manifest's checksum
+    (Note: [checkpoint format]; runtime.dcp_reader Note: [checkpoint trust])."""
     sums = read_manifest(root, step)["sha256"]
     for i in indices:
         path = _checked_layer(root, step, i, sums[i])
-        reader = FileSystemReader(path)
-        stepped = any(key.startswith("optim.") for key in reader.read_metadata().state_dict_metadata)
+        metadata = read_metadata(path)
         state = layers.materialize(i)
-        if stepped:
+        if any(key.startswith("optim.") for key in metadata.state_dict_metadata):
             state.prime_optimizer()  # the optimizer's state tensors exist, to be loaded into
         target = _named_state(state)
-        dcp.load(target, storage_reader=reader, no_dist=True)
+        _require_optimizer_state(path, metadata, target)
+        load_tensors(path, metadata, target)
         state.module.load_state_dict(target["model"])
         if state.optimizer:
-            name_of = {id(p): n for n, p in state.named_params}
-            index = {name_of[id(p)]: k for k, p in enumerate(p for g in state.optimizer.param_groups
-                                                              for p in g["params"])}
-            state.optimizer.load_state_dict({"state": {index[n]: v for n, v in target.get("optim", {}).items()},
-                                             "param_groups": target["optim_groups"]})
+            # The optimizer's own param_groups go back unchanged: hyperparameters are the config's.
+            index = {name: k for k, name in enumerate(_optimizer_names(state))}
+            state.optimizer.load_state_dict({
+                "state": {index[name]: values for name, values in target.get("optim", {}).items()},
+                "param_groups": state.optimizer.state_dict()["param_groups"]})
+
+
+def _require_optimizer_state(path: str, metadata: Metadata, target: Mapping[str, Any]) -> None:
+    """The config's optimizer may want state the checkpoint was written without: an argument
+    that adds some (AdamW's amsgrad) was switched on since."""
+    for key in flat_keys({"optim": target.get("optim", {})}):
+        if key not in metadata.state_dict_metadata:
+            raise OobleckError(f"checkpoint {path} holds no {key}, which train.optimizer's arguments need (one "
+                               "that adds optimizer state, such as amsgrad, differs from the job that wrote it); "
+                               "resume with that job's train.optimizer, or set checkpoint.resume=never")
 
 
 class BackgroundWriter:
