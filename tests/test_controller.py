@@ -159,6 +159,11 @@ def test_evaluations_run_at_their_interval_and_again_after_a_failure_during_one(
     c.handle(Proposed(record(1, 2)))
     assert c.handle(Built(record(1, 2))) == Evaluate(2), "cut short on some workers: run again by all"
     assert c.handle(EvalDone(2)) == Train(2)
+    # the step after it fails: rank 0 recorded the evaluation, so it is not run again (issue 30,
+    # item 10: every failure used to run the last evaluation again)
+    c.handle(StepFailed("died in step 2"))
+    c.handle(Proposed(record(2, 2)))
+    assert c.handle(Built(record(2, 2), evaluated=True)) == Train(2)
     c.handle(StepDone(2))
     assert c.handle(StepDone(3)) == Evaluate(4)
     assert c.handle(EvalDone(4)) == Finish()

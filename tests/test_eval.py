@@ -54,14 +54,21 @@ def test_eval_through_pipelines_equals_plain_pytorch_and_survives_a_kill(tmp_pat
     assert [s for s, _ in evals(reference)] == [2, 4, 6]
     assert evals(reference)[-1][1] == pytest.approx(plain_eval_loss(tmp_path / "ref/checkpoints", STEPS), rel=1e-10)
 
-    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=4,phase=eval"}  # as the evaluation after step 4 begins
-    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=4",
+    # node 1 dies as the evaluation after step 4 begins: it is run again; node 3 dies in step 2,
+    # after the evaluation of step 2, which is not run again (each start of one on node 0 is
+    # logged: a slow fault of no length)
+    faults = "node=1,step=4,phase=eval;node=3,step=2,phase=forward;" + \
+        ";".join(f"node=0,step={k},phase=eval,action=slow,seconds=0" for k in (2, 4, 6))
+    env = {**os.environ, "OOBLECK_FAULT": faults, "OOBLECK_FAULT_LOG": str(tmp_path / "faults.jsonl")}
+    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
                            "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", SCRIPT,
                            *job_args(tmp_path, "job"), *EVAL], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = records(tmp_path / "job/metrics.jsonl")
-    assert [r["lost"] for r in log if r.get("event") == "recovery"] == [[1]]
+    assert [r["lost"] for r in log if r.get("event") == "recovery"] == [[3], [1]]
+    started = [r["step"] for r in records(tmp_path / "faults.jsonl") if r["phase"] == "eval" and r["node"] == 0]
+    assert started == [2, 4, 4, 6], started
     ours = evals(log)
     assert [s for s, _ in ours] == [2, 4, 6], "each evaluation logged once, the interrupted one run again"
     for (_, got), (_, want) in zip(ours, evals(reference)):

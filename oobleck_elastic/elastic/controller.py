@@ -66,6 +66,10 @@ class RunOver:
 @dataclass(frozen=True)
 class Built:
     record: GenerationRecord
+    evaluated: bool = False
+    """Whether the evaluation after the generation's start step was recorded (by the rank 0
+    of a generation before): not run again. Read from the store by every member after the
+    build, so all of them decide alike."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,7 @@ class Controller:
         elif state is State.BUILDING:
             if isinstance(event, Built):
                 self.completed = event.record.start_step
+                self.evaluated = self.completed if event.evaluated else None
                 return self._to(State.TRAINING, self._next_work())
             if isinstance(event, BuildFailed):
                 return self._recover(event.cause, event.error)
@@ -249,7 +254,6 @@ class Controller:
 
     def _recover(self, cause: str, error: str) -> object:
         self.last_cause, self.last_error = cause, error or cause
-        self.evaluated = None  # an evaluation cut short on some workers is run again by all
         return self._to(State.RECOVERING, Recover(cause))
 
     def _build(self, record: GenerationRecord) -> object:

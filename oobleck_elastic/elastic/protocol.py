@@ -293,6 +293,14 @@ class Protocol:
         # one may follow the other (a stop at a checkpoint interval whose write failed)
         return f"gen{generation}/{'final' if final else 'checkpoint'}{step}"
 
+    def record_evaluation(self, step: int) -> None:
+        """Rank 0 has the evaluation after `step` (every worker took part in it): a failure
+        after it does not run it again (Built.evaluated)."""
+        self.store.set_json(f"evaluated/{step}", True)
+
+    def evaluated(self, step: int) -> bool:
+        return self.store.try_get_json(f"evaluated/{step}") is not None
+
     def checkpoint_written(self, generation: int, step: int, layers: int, final: bool = False) -> int:
         """Counts `layers` more layers of the checkpoint after `step` written; returns the total."""
         return self.store.add(self._written_key(generation, step, final), layers)

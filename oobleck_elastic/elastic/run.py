@@ -387,7 +387,7 @@ class Run:
             return BuildFailed(cause, error)
         self.trainer.settle()
         self._report_generation(record)
-        return Built(record)
+        return Built(record, evaluated=bool(self.cfg.eval.interval) and self.protocol.evaluated(record.start_step))
 
     def _report_generation(self, record: GenerationRecord) -> None:
         plan = self.plan
@@ -458,6 +458,7 @@ class Run:
             self.report.evaluation(done, loss_sum / tokens if tokens else float("nan"), tokens,
                                    perplexity=self.model.vocab_size is not None,
                                    seconds=time.perf_counter() - started)
+            self.protocol.record_evaluation(done)
         return EvalDone(done)
 
     # --- changing membership ------------------------------------------------------------------
