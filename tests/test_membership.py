@@ -127,3 +127,36 @@ def test_a_node_started_with_another_job_is_refused_naming_the_keys():
     # every plan lays the same number of workers on each node (issue 30, item 10)
     with pytest.raises(OobleckError, match=r"nproc_per_node = 2 here, 1 in the run"):
         check_same_job(job(["train.seed=3"], workers=2))
+
+
+def test_a_node_whose_model_or_tokens_hold_other_contents_is_refused(tmp_path):
+    """Each node reads model.hf and data.tokens from its own copy: a copy with other weights or
+    other tokens at the same path is refused, naming it (issue 30, item 10), from a digest that
+    reads about 1 MiB of each file, not the whole of it."""
+    import pytest
+
+    from hf_fixtures import make_causal_lm, write_tokens
+    from oobleck_elastic.config import load_config
+    from oobleck_elastic.elastic.job import job_description
+    from oobleck_elastic.errors import OobleckError
+    from runtime_harness import model_and_data
+
+    spec = model_and_data("gpt")[0]
+    model, tokens = tmp_path / "model", tmp_path / "tokens.bin"
+
+    def job():
+        cfg = load_config(None, [f"model.hf={model}", f"data.tokens={tokens}", "train.seed=3"])
+        return job_description(cfg, spec, 1)
+
+    make_causal_lm(model, "gpt2", seed=0)
+    write_tokens(tokens, 600_000, 97, seed=0)  # larger than what the digest reads: it samples
+    check_same_job = Protocol(host_store("127.0.0.1", 0, "samefiles")).check_same_job
+    check_same_job(job())
+    check_same_job(job())  # the same files again: the same digest
+    write_tokens(tokens, 600_000, 97, seed=1)
+    with pytest.raises(OobleckError, match=r"data.tokens contents = '[0-9a-f]+' here, '[0-9a-f]+' in the run"):
+        check_same_job(job())
+    write_tokens(tokens, 600_000, 97, seed=0)
+    make_causal_lm(model, "gpt2", seed=1)
+    with pytest.raises(OobleckError, match=r"model.hf contents = "):
+        check_same_job(job())

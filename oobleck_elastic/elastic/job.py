@@ -1,10 +1,13 @@
 """What a worker knows of its job before the first generation: the description every node
-must share (so a node started with another model or config is refused), the profile every
+must share (so a node started with another model, config or worker count, or whose copy of
+model.hf or data.tokens holds other contents, is refused), the profile every
 worker plans from (measured once, by the first worker of the first node, and published in the
 store), and the pipeline templates planned from it (the same on every worker)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,7 +21,7 @@ from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.devices import resolve_device
 from oobleck_elastic.runtime.profiler import load_or_profile
 
-__all__ = ["WorkerIdentity", "job_description", "measure", "plan_run", "templates"]
+__all__ = ["WorkerIdentity", "content_digest", "job_description", "measure", "plan_run", "templates"]
 
 LOCAL_KEYS = ("planner.profile_dir", "planner.profile_iterations", "checkpoint.dir")
 """A machine's own paths and its profiling effort may differ between nodes."""
@@ -40,6 +43,39 @@ def _flatten(prefix: str, value: object) -> dict[str, object]:
     return {prefix: value}
 
 
+SAMPLED_BLOCKS = 256  # blocks of a large file read for its digest (1 MiB at most)
+BLOCK = 4096
+
+
+def content_digest(path: str) -> str:
+    """A digest of a file's or directory's contents that reads at most ~1 MiB a file: its size,
+    its first and last blocks (a safetensors header, say) and blocks spread evenly through it.
+    Two nodes whose model.hf or data.tokens hold other weights or other tokens differ almost
+    everywhere, so a few hundred blocks tell them apart without reading gigabytes."""
+    digest = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(folder, name) for folder, _, names in os.walk(path) for name in names)
+    for name in files:
+        size = os.path.getsize(name)
+        digest.update(f"{os.path.relpath(name, path)}\0{size}\0".encode())
+        with open(name, "rb") as f:
+            if size <= SAMPLED_BLOCKS * BLOCK:
+                digest.update(f.read())
+                continue
+            for k in range(SAMPLED_BLOCKS):
+                f.seek((size - BLOCK) * k // (SAMPLED_BLOCKS - 1))
+                digest.update(f.read(BLOCK))
+    return digest.hexdigest()[:16]
+
+
+def _contents(cfg: JobConfig) -> dict[str, object]:
+    """What the job reads from files every node has its own copy of: their digests."""
+    paths = {"model.hf": cfg.model.get("hf"),
+             "data.tokens": cfg.data.tokens, "data.eval_tokens": cfg.data.eval_tokens}
+    return {f"{key} contents": content_digest(path) for key, path in paths.items()
+            if isinstance(path, str) and os.path.exists(path)}
+
+
 def job_description(cfg: JobConfig, model: ModelSpec, workers_per_node: int) -> dict[str, object]:
     """What every node of the run must agree on (flat dotted keys, JSON values), with its
     worker count: every plan lays the same number of workers on each node, so a node started
@@ -51,6 +87,7 @@ def job_description(cfg: JobConfig, model: ModelSpec, workers_per_node: int) -> 
         flat.update(_flatten(name, plain(getattr(cfg, name))))
     for local in LOCAL_KEYS:
         del flat[local]
+    flat.update(_contents(cfg))
     return flat
 
 
