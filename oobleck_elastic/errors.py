@@ -12,6 +12,7 @@ from collections.abc import Callable
 __all__ = [
     "RunFailed",
     "OobleckError",
+    "CheckpointDamaged",
     "ConfigError",
     "PlanningError",
     "InfeasibleBatchError",
@@ -29,6 +30,11 @@ class RunFailed(OobleckError):
     """The run cannot go on: every worker would fail the same way (a step that keeps failing,
     no checkpoint to fall back to). The first worker to meet it tells the others and the
     launcher (`Protocol.publish_failure`)."""
+
+
+class CheckpointDamaged(OobleckError):
+    """A checkpoint's file does not match its checksum, or holds what oobleck_elastic never
+    writes: no fallback takes that checkpoint again (runtime/checkpoint.py)."""
 
 
 class ConfigError(OobleckError, ValueError):

@@ -21,6 +21,7 @@ from oobleck_elastic.runtime.checkpoint import (
     host_copy,
     job_digest,
     job_key,
+    identity,
     latest_checkpoint,
     load_model_state,
     mark_complete,
@@ -113,7 +114,11 @@ def test_a_damaged_file_is_never_loaded(tmp_path):
         restore_layers(str(tmp_path), 2, LayerStore(SPEC, load_config(None, []).train, torch.device("cpu")), [1])
     with pytest.raises(OobleckError, match="do not match their checksum"):
         load_model_state(str(tmp_path), 2, SPEC.num_layers)
-    assert latest_checkpoint(str(tmp_path), me, exclude={2}) == 1
+    damaged = {2: identity(json.loads((tmp_path / "step_00000002/manifest.json").read_text()))}
+    assert latest_checkpoint(str(tmp_path), me, damaged=damaged) == 1
+    write(tmp_path, 2, store(0), me)  # published again: a new publication, not the damaged one
+    assert latest_checkpoint(str(tmp_path), me, damaged=damaged) == 2
+    path.write_bytes(bytes(data))
     # a file missing, or not the size it was written, is seen from the manifest alone
     (tmp_path / "step_00000002" / "layer_0000" / "__0_0.distcp").write_bytes(b"short")
     assert latest_checkpoint(str(tmp_path), me) == 1
@@ -282,10 +287,10 @@ def test_resume_and_keep_follow_the_newest_run_not_the_highest_step(tmp_path):
     went back to the longer run)."""
     import dataclasses
 
-    long_run = dataclasses.replace(ident("none"), instance="first")
+    long_run = dataclasses.replace(ident("none"), instance="first", instance_started=1000.0)
     for step in (4, 8, 12):
         write(tmp_path, step, store(0), long_run)
-    went_back = dataclasses.replace(ident("none"), instance="second", resumed=("none", 4))
+    went_back = dataclasses.replace(ident("none"), instance="second", instance_started=2000.0, resumed=("none", 4))
     # before it wrote anything, its fallback is the checkpoint it resumed from, not the
     # other start's newer ones under the same run id (torchrun's default id is "none")
     assert latest_checkpoint(str(tmp_path), went_back) == 4
@@ -293,6 +298,21 @@ def test_resume_and_keep_follow_the_newest_run_not_the_highest_step(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_00000006", "step_00000012"]
     assert find_resume(str(tmp_path), ident("later"), load_step=None, max_step=30)[0] == 6
     assert latest_checkpoint(str(tmp_path), went_back) == 6
+
+
+def test_a_clock_ahead_on_one_node_does_not_reorder_a_runs_checkpoints(tmp_path):
+    """Within one start of a run the higher step is the newer, whichever node's clock
+    published it; starts are ordered by their own start time (review of issue 30)."""
+    import dataclasses
+
+    me = dataclasses.replace(ident("a"), instance="one", instance_started=1000.0)
+    write(tmp_path, 10, store(0), me)
+    manifest = tmp_path / "step_00000010/manifest.json"
+    ahead = json.loads(manifest.read_text())
+    ahead["time"] += 100.0  # published by a node whose clock runs 100 s ahead
+    manifest.write_text(json.dumps(ahead))
+    write(tmp_path, 20, store(0), me, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000020"]
 
 
 def test_keep_spares_the_step_a_generation_restores(tmp_path):

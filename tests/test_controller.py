@@ -3,6 +3,8 @@ events as the executor reports them, without processes, a store or a clock."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from oobleck_elastic.elastic.controller import (
@@ -145,6 +147,12 @@ def test_a_stop_ends_the_run_after_its_step_and_a_stop_at_the_last_step_is_the_n
     assert c.handle(Proposed(record(1, 1))) == Build(record(1, 1))
     assert c.handle(Built(record(1, 1))) == Finish(stopped=True), "not the next step"
     assert c.handle(Finished()) == Exit("stopped") and c.state is State.DONE
+    # a joiner admitted while the run stops learns it from the record, as every member does
+    joiner = Controller(3)
+    joiner.handle(Started(False))
+    stopping = dataclasses.replace(record(1, 1), stopping=True)
+    assert joiner.handle(Admitted(stopping)) == Build(stopping)
+    assert joiner.handle(Built(stopping)) == Finish(stopped=True), "not Train(1): the others finish"
     c, _ = started(steps=1)
     c.handle(Built(record(0, 0)))
     assert c.handle(StepDone(0, stop=True)) == Finish()
@@ -163,7 +171,8 @@ def test_evaluations_run_at_their_interval_and_again_after_a_failure_during_one(
     # item 10: every failure used to run the last evaluation again)
     c.handle(StepFailed("died in step 2"))
     c.handle(Proposed(record(2, 2)))
-    assert c.handle(Built(record(2, 2), evaluated=True)) == Train(2)
+    evaluated = dataclasses.replace(record(2, 2), evaluated=True)  # as the proposer found it recorded
+    assert c.handle(Built(evaluated)) == Train(2)
     c.handle(StepDone(2))
     assert c.handle(StepDone(3)) == Evaluate(4)
     assert c.handle(EvalDone(4)) == Finish()

@@ -153,6 +153,9 @@ def test_a_node_whose_model_or_tokens_hold_other_contents_is_refused(tmp_path):
     check_same_job = Protocol(host_store("127.0.0.1", 0, "samefiles")).check_same_job
     check_same_job(job())
     check_same_job(job())  # the same files again: the same digest
+    (model / ".cache").mkdir()  # a download's bookkeeping, different on every node, is not content
+    (model / ".cache" / "model.safetensors.metadata").write_text("downloaded at 12:00")
+    check_same_job(job())
     write_tokens(tokens, 600_000, 97, seed=1)
     with pytest.raises(OobleckError, match=r"data.tokens contents = '[0-9a-f]+' here, '[0-9a-f]+' in the run"):
         check_same_job(job())

@@ -277,6 +277,7 @@ def test_no_replica_before_the_first_checkpoint_starts_the_run_again_exactly(tmp
     assert recovery["restored_from"] == 0 and recovery["lost"] == [1, 3]
     assert [r["step"] for r in log if "step" in r and "event" not in r] == [0, 1, 2, 0, 1, 2, 3, 4, 5]
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+    assert sorted(step for step, _ in checkpoints(str(tmp_path / "ckpt"))) == [STEPS], "interval 0: the final one"
 
 
 def test_workers_exit_when_their_agent_dies(tmp_path):

@@ -20,9 +20,11 @@ from oobleck_elastic.runtime.checkpoint import (
     checkpoint_id,
     find_resume,
     host_copy,
+    identity,
     latest_checkpoint,
     mark_complete,
     published,
+    read_manifest,
     remove_partials,
     save_layers,
 )
@@ -53,14 +55,16 @@ class RunCheckpoints:
     def __init__(self, model: ModelSpec, cfg: JobConfig, run_id: str, samples: int, name: str,
                  protocol: Protocol, fault=None) -> None:
         self.cfg, self.steps, self.model = cfg.checkpoint, cfg.train.steps, model
+        self.settle_s = cfg.elastic.agreement_timeout_s / 2  # the longest a fallback waits for a write
         self.protocol, self.fault, self.name, self.run_id = protocol, fault, name, run_id
         self.ident = checkpoint_id(run_id, model, cfg, samples)
         self.restored_step: int | None = None  # the step of the checkpoint the layers were restored from
         self.writer = BackgroundWriter(name)
 
-    def start(self, instance: str) -> None:
-        """This start of the run (Protocol.instance): what its checkpoints carry."""
-        self.ident = dataclasses.replace(self.ident, instance=instance)
+    def start(self, instance: tuple[str, float]) -> None:
+        """This start of the run (Protocol.instance: its id and when it began): what its
+        checkpoints carry."""
+        self.ident = dataclasses.replace(self.ident, instance=instance[0], instance_started=instance[1])
 
     def resume(self) -> Resume | None:
         """The checkpoint generation 0 resumes from (checkpoint.resume), or None to start
@@ -92,15 +96,25 @@ class RunCheckpoints:
         before the first one, step 0: the initial state, which every worker rebuilds exactly
         (Note: [layer initialisation] in runtime/model.py); None for a resumed run whose
         checkpoint is gone."""
-        step = latest_checkpoint(self.cfg.dir, self.ident, exclude=self.protocol.damaged())
+        self.settle(self.settle_s)  # what this worker's last write publishes, the fallback sees
+        step = latest_checkpoint(self.cfg.dir, self.ident, damaged=self.protocol.damaged())
         if step is None and self.ident.resumed is None:
             return 0
         return step
 
     def published(self, step: int) -> bool:
         """Whether the checkpoint of `step` is on disk, published by this run (or the one it
-        resumed from): what a run may say it has."""
-        return published(self.cfg.dir, step, self.ident)
+        resumed from) and not found damaged: what a run may say it has."""
+        return published(self.cfg.dir, step, self.ident, self.protocol.damaged())
+
+    def mark_damaged(self, step: int, why: str) -> None:
+        """The checkpoint of `step` did not match its checksums as it was loaded: its current
+        publication is never taken again (Note: [newest checkpoint] in runtime/checkpoint.py)."""
+        try:
+            publication = identity(read_manifest(self.cfg.dir, step))
+        except (OSError, ValueError):
+            return  # gone meanwhile: no fallback finds it
+        self.protocol.mark_damaged(step, publication, why)
 
     def save(self, plan: GenerationPlan, rank: int, layers: LayerStore, done: int, final: bool = False) -> None:
         """Every checkpoint.interval steps, and after the last step or a stop (`final`): copies
@@ -114,8 +128,11 @@ class RunCheckpoints:
             written again, whole, by the next generation's owners, unless it was published
             meanwhile. Every worker decides alike: the publication, if any, happened before
             the failed generation's survivors built the next one. A state restored from a
-            checkpoint, and a published step, are not written again. The end is recorded only
-            once rank 0 has seen the checkpoint published (elastic/run.py)."""
+            checkpoint, and a published step, are not written again. A final step is never
+            also written at its interval (a stop at an interval step is the Finish's alone):
+            two writes of one step would share its partial directory. A step marked damaged
+            (Note: [newest checkpoint]) counts as not published. The end is recorded only once
+            rank 0 has seen the checkpoint published (elastic/run.py)."""
         ck = self.cfg
         if not final and (done == self.steps or not ck.interval or done % ck.interval):
             return
@@ -147,10 +164,11 @@ class RunCheckpoints:
                          str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
 
     def settle(self, timeout: float) -> None:
-        """Before a recovery: the failed generation's checkpoint write under way is finished
-        (up to `timeout`), so the fallback sees what it published and a restore does not race
-        its `keep`. A write still going after that is left to finish; `keep` spares the step
-        the next generation restores."""
+        """Before a fallback is chosen: this worker's checkpoint write under way is finished (up
+        to `timeout`), so the fallback sees what it publishes. Only a fallback waits: an
+        in-memory recovery does not wait for a write. A write still going (another worker's)
+        may publish while the next generation restores: `keep` spares the step being restored,
+        and a restore that fails anyway is a failed build, tried again."""
         try:
             failed = self.writer.wait(timeout)
         except OobleckError as exc:

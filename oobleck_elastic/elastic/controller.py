@@ -66,10 +66,6 @@ class RunOver:
 @dataclass(frozen=True)
 class Built:
     record: GenerationRecord
-    evaluated: bool = False
-    """Whether the evaluation after the generation's start step was recorded (by the rank 0
-    of a generation before): not run again. Read from the store by every member after the
-    build, so all of them decide alike."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +200,9 @@ class Controller:
         elif state is State.BUILDING:
             if isinstance(event, Built):
                 self.completed = event.record.start_step
-                self.evaluated = self.completed if event.evaluated else None
+                # from the record every member adopted, so all of them decide alike
+                self.evaluated = self.completed if event.record.evaluated else None
+                self.stopping = self.stopping or event.record.stopping
                 return self._to(State.TRAINING, self._next_work())
             if isinstance(event, BuildFailed):
                 return self._recover(event.cause, event.error)

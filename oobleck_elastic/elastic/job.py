@@ -53,8 +53,7 @@ def content_digest(path: str) -> str:
     Two nodes whose model.hf or data.tokens hold other weights or other tokens differ almost
     everywhere, so a few hundred blocks tell them apart without reading gigabytes."""
     digest = hashlib.sha256()
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(folder, name) for folder, _, names in os.walk(path) for name in names)
+    files = [path] if os.path.isfile(path) else sorted(_visible_files(path))
     for name in files:
         size = os.path.getsize(name)
         digest.update(f"{os.path.relpath(name, path)}\0{size}\0".encode())
@@ -66,6 +65,16 @@ def content_digest(path: str) -> str:
                 f.seek((size - BLOCK) * k // (SAMPLED_BLOCKS - 1))
                 digest.update(f.read(BLOCK))
     return digest.hexdigest()[:16]
+
+
+def _visible_files(root: str) -> list[str]:
+    """A directory's files but hidden ones and their folders: a download's bookkeeping
+    (Hugging Face's `.cache/`, with the time of the download) is not what the job loads."""
+    out = []
+    for folder, folders, names in os.walk(root):
+        folders[:] = [d for d in folders if not d.startswith(".")]
+        out += [os.path.join(folder, n) for n in names if not n.startswith(".") and not n.endswith(".lock")]
+    return out
 
 
 def _contents(cfg: JobConfig) -> dict[str, object]:

@@ -137,11 +137,12 @@ class Protocol:
             raise OobleckError(f"this node was started with another job than the run it joins: {shown}{more}. "
                                "Start every node with the same model and config, or give this job its own --rdzv-id")
 
-    def instance(self) -> str:
-        """This start of the run: one random id, the first worker's, that every worker and
-        joiner reads (runtime/checkpoint.py Note: [newest checkpoint])."""
-        self.store.create_json("instance", uuid.uuid4().hex[:12])
-        return self.store.get_json("instance", 10.0)
+    def instance(self) -> tuple[str, float]:
+        """This start of the run: one random id and the wall time it began, the first worker's,
+        that every worker and joiner reads (runtime/checkpoint.py Note: [newest checkpoint])."""
+        self.store.create_json("instance", {"id": uuid.uuid4().hex[:12], "at": self.wall()})
+        record = self.store.get_json("instance", 10.0)
+        return str(record["id"]), float(record["at"])
 
     def max_nodes(self) -> int | None:
         """The job's limit on nodes (torchrun's --nnodes=MIN:MAX), written before generation 0."""
@@ -242,6 +243,9 @@ class Protocol:
         """Asks the run to stop after the step being computed (the next commit carries it)."""
         self.store.set_json("stop", {"by": by, "at": self.wall()})
 
+    def stop_requested(self) -> bool:
+        return self.store.try_get_json("stop") is not None
+
     def commit_step(self, generation: int, step: int, world_size: int, members: Iterable[int], timeout: float,
                     max_nodes: int | None = None) -> StepDecision:
         """Reports this worker ready for `step` and waits for the decision (Note: [step
@@ -305,14 +309,19 @@ class Protocol:
         """Counts `layers` more layers of the checkpoint after `step` written; returns the total."""
         return self.store.add(self._written_key(generation, step, final), layers)
 
-    def mark_damaged(self, step: int, why: str) -> None:
-        """The checkpoint of `step` failed to load (a layer's checksum, a missing file): no
-        fallback takes it again (runtime/checkpoint.py Note: [newest checkpoint])."""
-        self.store.set_json(f"checkpoint/{step}/damaged", {"why": why, "at": self.wall()})
+    def mark_damaged(self, step: int, publication: str, why: str) -> None:
+        """That publication of the checkpoint of `step` (runtime.checkpoint.identity) failed its
+        checksum: no fallback takes it again, though the step may be published anew (runtime/
+        checkpoint.py Note: [newest checkpoint])."""
+        self.store.set_json(f"checkpoint/{step}/damaged", {"publication": publication, "why": why, "at": self.wall()})
 
-    def damaged(self) -> set[int]:
-        """The steps whose checkpoints were found damaged."""
-        return {int(m.group(1)) for k in self.store.keys() if (m := re.fullmatch(r"checkpoint/(\d+)/damaged", k))}
+    def damaged(self) -> dict[int, str]:
+        """step -> the publication of its checkpoint found damaged."""
+        out = {}
+        for key in self.store.keys():
+            if (m := re.fullmatch(r"checkpoint/(\d+)/damaged", key)) and (mark := self.store.try_get_json(key)):
+                out[int(m.group(1))] = str(mark.get("publication"))
+        return out
 
     def restoring(self) -> set[int]:
         """The checkpoint step the newest generation restores, if it restores one: `keep` must

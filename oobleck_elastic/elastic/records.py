@@ -59,6 +59,12 @@ class GenerationRecord:
     lost: tuple[int, ...] = ()
     joined: tuple[int, ...] = ()
     actions: tuple[str, ...] = field(default=())
+    evaluated: bool = False
+    """The evaluation after start_step was recorded before the proposal: not run again. In the
+    record, so every member decides alike."""
+    stopping: bool = False
+    """A stop was requested before the proposal: the generation writes the checkpoint of its
+    start step and ends the run (Note: [stop on request] in elastic/agent.py), joiners too."""
 
     @classmethod
     def next(cls, generation: int, layout: NextLayout, cause: str) -> GenerationRecord:
@@ -77,7 +83,8 @@ class GenerationRecord:
         if self.planned:
             out.update(base=self.base, instantiation=to_jsonable(self.instantiation),
                        restored_from=self.restored_from, cause=self.cause, lost=list(self.lost),
-                       joined=list(self.joined), actions=list(self.actions))
+                       joined=list(self.joined), actions=list(self.actions), evaluated=self.evaluated,
+                       stopping=self.stopping)
             if self.resumed is not None:
                 out["resumed"] = {"run_id": self.resumed.run_id, "step": self.resumed.step}
         return out
@@ -113,6 +120,7 @@ class GenerationRecord:
                        restored_from=restored, cause=str(data.get("cause")),
                        lost=_ints(data.get("lost", []), "lost"), joined=_ints(data.get("joined", []), "joined"),
                        actions=tuple(str(a) for a in data.get("actions", [])),
+                       evaluated=bool(data.get("evaluated", False)), stopping=bool(data.get("stopping", False)),
                        resumed=Resumed(str(resumed["run_id"]), int(resumed["step"])) if resumed else None)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise _refuse(what, exc) from exc

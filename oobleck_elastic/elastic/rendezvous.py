@@ -81,11 +81,13 @@ class OobleckRendezvousHandler(RendezvousHandler):
         """Whether this agent hosts the (embedded) store the others use."""
         return isinstance(self.store, EmbeddedStore) and self.store.is_master
 
-    def _refuse_ended_run(self) -> None:
+    def _refuse_ended_run(self, restarted: bool = False) -> None:
         """A node started with the id of a run that finished or failed would join a run that
-        trains no more (a failed one exited 0 on every node without training): it is refused."""
+        trains no more (a failed one exited 0 on every node without training): it is refused.
+        So is a node whose workers torch's agent restarts after the run failed (--max-restarts):
+        they would exit 0 as if the run were over."""
         where = f"run '{self.store.run_id}' at {self.store.url}"
-        if self.protocol.finished():
+        if self.protocol.finished() and not restarted:
             raise RendezvousError(f"{where} has already finished; give each job its own --rdzv-id (a run's "
                                   "records stay in the store)")
         if (failure := self.protocol.failure()) is not None:
@@ -97,9 +99,8 @@ class OobleckRendezvousHandler(RendezvousHandler):
                 "to reuse this id")
 
     def _register(self) -> int:
-        if self.node is None:
-            self._refuse_ended_run()
-        else:
+        self._refuse_ended_run(restarted=self.node is not None)
+        if self.node is not None:
             # torch's agent restarts this node's workers (one of them exited, and it stopped
             # the others): the run has lost them. Say so at once, so the survivors need not
             # wait for a lease, and come back as a new node that joins like any other.

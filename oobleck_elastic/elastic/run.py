@@ -307,8 +307,15 @@ class Run:
         except NoCheckpointError as exc:
             raise RunFailed(f"{cause}. {exc} (in {self.cfg.checkpoint.dir!r})") from exc
         self.log.warning("%s: the nodes waiting to join restore the newest checkpoint (%s)", cause, layout.actions[0])
-        won = self.protocol.propose(GenerationRecord.next(g + 1, layout, cause), self.cfg.elastic.agreement_timeout_s)
+        won = self.protocol.propose(self._with_run_state(GenerationRecord.next(g + 1, layout, cause)),
+                                    self.cfg.elastic.agreement_timeout_s)
         return won if self.me.node in won.nodes else None
+
+    def _with_run_state(self, record: GenerationRecord) -> GenerationRecord:
+        """A proposal with what its members must agree on besides the layout: whether the
+        evaluation after its start step was recorded, and whether a stop was requested."""
+        return dataclasses.replace(record, evaluated=self.protocol.evaluated(record.start_step),
+                                   stopping=self.protocol.stop_requested())
 
     # --- building -----------------------------------------------------------------------------
 
@@ -373,8 +380,8 @@ class Run:
         except OobleckError:  # this worker or the run must stop (Note: [failed build])
             raise
         except Exception as exc:  # whatever torch or the store raised: a failed build
-            if isinstance(exc, CheckpointUnreadable):  # no fallback takes it again
-                self.protocol.mark_damaged(exc.step, exc.why)
+            if isinstance(exc, CheckpointUnreadable) and exc.damaged:  # no fallback takes it again
+                self.checkpoints.mark_damaged(exc.step, exc.why)
             cause, error = _cause(exc, f" while building generation {record.generation}")
         else:
             cause = None
@@ -387,7 +394,7 @@ class Run:
             return BuildFailed(cause, error)
         self.trainer.settle()
         self._report_generation(record)
-        return Built(record, evaluated=bool(self.cfg.eval.interval) and self.protocol.evaluated(record.start_step))
+        return Built(record)
 
     def _report_generation(self, record: GenerationRecord) -> None:
         plan = self.plan
@@ -429,7 +436,8 @@ class Run:
         if self.report:
             self.report.step(computed.stats, plan)
         self.trainer.apply(computed)
-        self.save_checkpoint()  # at the interval; a stop's is written by the Finish that follows
+        if not decision.stop:  # a stop's checkpoint is the Finish's alone (Note: [final checkpoint])
+            self.save_checkpoint()
         if plan.generation > self.forgotten and plan.rank_of(self.me) == 0:  # Note: [store keys]
             self.forgotten = plan.generation
             try:
@@ -492,9 +500,6 @@ class Run:
                 self.report.flush_recovery()  # a failure before the last recovery's replay finished
         old, step, ela = self.plan, self.trainer.completed_steps, self.cfg.elastic
         self.trainer.close()  # frees gloo sockets: peers blocked on us fail fast
-        # before the roll call, so the survivors' fallback sees what the failed generation's
-        # writes published, and their restore does not race its `keep`
-        self.checkpoints.settle(ela.agreement_timeout_s / 2)
         t1 = time.perf_counter()
         if self.protocol.decide_abort(old.generation, step).outcome is Outcome.COMMIT:
             raise AssertionError("a committed step cannot fail before apply(): apply is local")
@@ -556,7 +561,7 @@ class Run:
             raise RunFailed(f"{cause}. {exc} (in {self.cfg.checkpoint.dir!r})") from exc
         if layout.restored_from is not None:
             self.log.warning("layers lost: %s", layout.actions[0])
-        proposal = GenerationRecord.next(old.generation + 1, layout, cause)
+        proposal = self._with_run_state(GenerationRecord.next(old.generation + 1, layout, cause))
         # Every survivor proposes; compare-and-set keeps the first, so losing any one of them (the
         # "coordinator") cannot stall the agreement, and everyone acts on the record that won.
         return self.protocol.propose(proposal, self.cfg.elastic.agreement_timeout_s)

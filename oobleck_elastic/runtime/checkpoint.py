@@ -72,13 +72,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.errors import CheckpointDamaged, ConfigError, OobleckError
 from oobleck_elastic.runtime.dcp_reader import empty_tensors, flat_keys, load_tensors, read_metadata
 from oobleck_elastic.runtime.layers import LayerState, LayerStore
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint, state_shapes
 
 __all__ = ["CheckpointId", "CheckpointUnreadable", "checkpoint_id", "job_key", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints",
-           "latest_checkpoint", "published", "check_dir", "find_resume", "remove_partials", "read_manifest", "load_model_state",
+           "latest_checkpoint", "published", "identity", "check_dir", "find_resume", "remove_partials", "read_manifest", "load_model_state",
            "restore_layers", "host_copy", "BackgroundWriter"]
 
 logger = logging.getLogger(__name__)
@@ -91,17 +91,21 @@ _STEP = re.compile(r"step_(\d+)")
 
 
 class CheckpointUnreadable(RuntimeError):
-    """A checkpoint a generation restores did not load (a checksum, a missing file, another
-    run's step): a failed build, recovered like any other, with the step marked damaged so
-    the next fallback takes the one before it (Note: [newest checkpoint])."""
+    """A checkpoint a generation restores did not load: a failed build, recovered like any
+    other. `damaged`: a file does not match its checksum or holds what is never written
+    (CheckpointDamaged), so the step is marked damaged and the next fallback takes the one
+    before it; anything else (a file not there yet on this node's mount, out of memory) is
+    only tried again (Note: [newest checkpoint])."""
 
-    def __init__(self, step: int, why: str) -> None:
-        super().__init__(f"the checkpoint of step {step} did not load ({why}); the fallback takes the one before it")
-        self.step, self.why = step, why
+    def __init__(self, step: int, why: str, damaged: bool = False) -> None:
+        then = "the fallback takes the one before it" if damaged else "it is tried again"
+        super().__init__(f"the checkpoint of step {step} did not load ({why}); {then}")
+        self.step, self.why, self.damaged = step, why, damaged
 
     @classmethod
     def of(cls, step: int, exc: BaseException) -> CheckpointUnreadable:
-        return cls(step, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        return cls(step, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+                   damaged=isinstance(exc, CheckpointDamaged))
 
 
 def plain(value: Any) -> Any:
@@ -151,6 +155,9 @@ class CheckpointId:
     instance: str | None = None
     """This start of the run (Note: [newest checkpoint]): a run id may be used again (torchrun's
     default is "none"), and one run's fallback must not load another start's checkpoints."""
+    instance_started: float | None = None
+    """When this start of the run began (one wall clock: the first worker's), which orders
+    checkpoints of different starts."""
 
     @property
     def digest(self) -> str:
@@ -285,7 +292,8 @@ def mark_complete(root: str, step: int, ident: CheckpointId, model: Mapping[str,
     manifest = {"format": MANIFEST_FORMAT, "step": step, "run_id": ident.run_id, "digest": ident.digest,
                 "job": dict(ident.job), "params": dict(ident.params), "layers": ident.num_layers,
                 "sha256": sums, "sizes": sizes, "model": dict(model or {}), "time": time.time(),
-                "resumed_from": list(ident.resumed) if ident.resumed else None, "instance": ident.instance}
+                "resumed_from": list(ident.resumed) if ident.resumed else None, "instance": ident.instance,
+                "instance_started": ident.instance_started}
     _merge_metadata(partial, ident.num_layers)
     _atomic_write(json.dumps(manifest).encode(), os.path.join(partial, MANIFEST))
     final = _step_dir(root, step)
@@ -353,9 +361,17 @@ def _steps(root: str) -> list[int]:
 
 
 def _recency(item: tuple[int, Mapping[str, Any]]) -> tuple[float, int]:
+    """Newer starts first, and within one start the higher step (one start trains one
+    trajectory: a step it wrote again holds what it held). Each start's time is one clock's,
+    so nodes whose clocks differ do not reorder a run's own checkpoints."""
     step, meta = item
-    published_at = meta.get("time")
-    return (published_at if isinstance(published_at, (int, float)) else 0.0), step
+    started = meta.get("instance_started", meta.get("time"))  # older manifests: their own time
+    return (started if isinstance(started, (int, float)) else 0.0), step
+
+
+def identity(meta: Mapping[str, Any]) -> str:
+    """Which publication of a step a manifest is (a step may be published again)."""
+    return f"{meta.get('instance')}@{meta.get('time')}"
 
 
 def checkpoints(root: str) -> list[tuple[int, dict[str, Any]]]:
@@ -402,28 +418,29 @@ def _layers_present(root: str, step: int, meta: Mapping[str, Any]) -> bool:
     return True
 
 
-def latest_checkpoint(root: str, ident: CheckpointId, *, exclude: Iterable[int] = ()) -> int | None:
+def latest_checkpoint(root: str, ident: CheckpointId, *, damaged: Mapping[int, str] | None = None) -> int | None:
     """The fallback of a running job: the newest checkpoint of this run (or the one it resumed
-    from) and job whose files are all there, but those in `exclude` (found damaged when they
-    were loaded), or None. Chosen from the manifests; every worker checks the layers it loads
-    against their checksums as it loads them (Note: [checkpoint manifest])."""
-    skip = set(exclude)
+    from) and job whose files are all there, but those `damaged` names (step -> the identity
+    of the publication found damaged when it was loaded), or None. Chosen from the manifests;
+    every worker checks the layers it loads against their checksums as it loads them (Note:
+    [checkpoint manifest])."""
+    damaged = damaged or {}
     for step, meta in checkpoints(root):
-        if step not in skip and _ours(meta, step, ident) and _loadable(meta, ident) and \
+        if damaged.get(step) != identity(meta) and _ours(meta, step, ident) and _loadable(meta, ident) and \
                 _layers_present(root, step, meta):
             return step
     return None
 
 
-def published(root: str, step: int, ident: CheckpointId) -> bool:
+def published(root: str, step: int, ident: CheckpointId, damaged: Mapping[int, str] | None = None) -> bool:
     """Whether `step_<step>` under `root` is a checkpoint of this run (or the one it resumed
-    from) and job: complete by construction (Note: [checkpoint manifest]); its files are
-    checked when they are loaded."""
+    from) and job, and not the publication `damaged` names: complete by construction (Note:
+    [checkpoint manifest]); its files are checked when they are loaded."""
     try:
         meta = read_manifest(root, step)
     except (OSError, ValueError):
         return False
-    return _ours(meta, step, ident) and _loadable(meta, ident)
+    return (damaged or {}).get(step) != identity(meta) and _ours(meta, step, ident) and _loadable(meta, ident)
 
 
 def check_dir(root: str, ident: CheckpointId) -> None:
@@ -500,7 +517,7 @@ def _checked_layer(root: str, step: int, index: int, expected: str) -> str:
     except OSError:
         intact = False
     if not intact:
-        raise OobleckError(f"checkpoint {_step_dir(root, step)}: layer {index}'s files do not match their "
+        raise CheckpointDamaged(f"checkpoint {_step_dir(root, step)}: layer {index}'s files do not match their "
                            "checksum (changed, damaged or missing since they were written); it cannot be restored")
     return path
 
@@ -551,7 +568,7 @@ def _require_optimizer_state(path: str, metadata: Metadata, target: Mapping[str,
     that adds some (AdamW's amsgrad) was switched on since."""
     for key in flat_keys({"optim": target.get("optim", {})}):
         if key not in metadata.state_dict_metadata:
-            raise OobleckError(f"checkpoint {path} holds no {key}, which train.optimizer's arguments need (one "
+            raise ConfigError(f"checkpoint {path} holds no {key}, which train.optimizer's arguments need (one "
                                "that adds optimizer state, such as amsgrad, differs from the job that wrote it); "
                                "resume with that job's train.optimizer, or set checkpoint.resume=never")
 

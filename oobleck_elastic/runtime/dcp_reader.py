@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.errors import CheckpointDamaged, OobleckError
 
 __all__ = ["read_metadata", "flat_keys", "load_tensors", "empty_tensors"]
 
@@ -70,8 +70,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"it names {module}.{name}, no part of DCP's metadata") from None
 
 
-def _refused(path: str, why: str) -> OobleckError:
-    return OobleckError(f"checkpoint {path} is refused: {why}. Nothing oobleck_elastic writes looks like that: "
+def _refused(path: str, why: str) -> CheckpointDamaged:
+    return CheckpointDamaged(f"checkpoint {path} is refused: {why}. Nothing oobleck_elastic writes looks like that: "
                         "find out who else can write checkpoint.dir, and load another checkpoint")
 
 

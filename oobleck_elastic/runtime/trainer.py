@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
+from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime.checkpoint import CheckpointUnreadable, restore_layers
 from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
@@ -142,6 +143,8 @@ class Trainer:
             self.fault("restore")
             try:
                 restore_layers(restore_from, plan.start_step, self.layers, gen.held_layers())
+            except ConfigError:  # the job's settings do not fit the checkpoint: say so, once
+                raise
             except Exception as exc:  # whatever failed reading it: a failed build (Note: [newest checkpoint])
                 raise CheckpointUnreadable.of(plan.start_step, exc) from exc
         for i in gen.held_layers():
@@ -214,7 +217,8 @@ class Trainer:
 
     def evaluate(self, batch: int) -> tuple[float, int]:
         """The loss of eval batch `batch` (its global mean, as training averages a step's: Note:
-        [loss] in runtime/model.py) and its counted targets, world-wide; forward only."""
+        [loss] in runtime/model.py) and its counted targets, world-wide; forward only, the
+        layers in eval mode."""
         gen = self.generation
         inputs = targets = None
         if gen.role is not None:
@@ -223,7 +227,14 @@ class Trainer:
             inputs, targets = data.inputs, data.targets
             if gen.role.is_last:
                 self._step_count = data.count
-        loss_sum, samples = gen.forward_only(inputs, targets)
+        modules = [self.layers[i].compute for i in gen.held_layers()]
+        for module in modules:  # as model.eval() would: no dropout, BatchNorm on its running statistics
+            module.eval()
+        try:
+            loss_sum, samples = gen.forward_only(inputs, targets)
+        finally:
+            for module in modules:
+                module.train()
         counts = self._step_count if gen.role is not None and gen.role.is_last and gen.role.pipeline == 0 else 0
         loss, _, _, tokens, _ = gen.reduce_stats(loss_sum, samples, counts, grads=False)
         return loss, tokens
