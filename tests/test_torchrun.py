@@ -76,6 +76,17 @@ def test_a_failed_run_on_etcd_refuses_new_nodes():
         with pytest.raises(RendezvousError, match=r"or delete its records \(the keys under /oobleck/crashed/\)"):
             handler.next_rendezvous()
         assert handler.protocol.registered() == 0, "refused before it registered"
+        # a node in the run whose workers torch's agent restarts after the run failed
+        # (--max-restarts) is refused too: they would have exited 0 as if the run were over
+        params = RendezvousParameters(backend="oobleck", endpoint=f"127.0.0.1:{port}", run_id="restarting",
+                                      min_nodes=1, max_nodes=1, join_timeout="5", store="etcd")
+        handler = get_rendezvous_handler(params)
+        handler.next_rendezvous()
+        handler.protocol.publish_failure("step 3 failed 4 times with every node alive", "node 0 rank 0")
+        with pytest.raises(RendezvousError, match=r"run 'restarting' at .* failed \(node 0 rank 0: step 3"):
+            handler.next_rendezvous()
+        assert handler.protocol.registered() == 1, "not registered again"
+        handler.shutdown()
 
 
 def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: str = "",
