@@ -35,16 +35,19 @@ Note: [checkpoint manifest]
     newest one belongs to another job. Files that do not match their checksums are never loaded.
 
 Note: [newest checkpoint]
-    "Newest" is the last published (the manifest's `time`), not the highest step: a run that
-    went back (checkpoint.load_step, or resume: never in a directory holding a longer run)
-    writes lower steps than the run it left, and it is the trajectory the user continues. So
-    resume takes the newest, `keep` retires the oldest, and export takes the newest. A run's
-    own checkpoints are those of this start of it (`instance`, agreed through the store: a
-    run id may be used again, torchrun's default is "none"), plus the one it resumed from.
-    The step is chosen from the manifests (a stat per file); whoever loads a layer checks it
-    against its checksum as it loads it, so a restore costs each worker its own layers, not
-    the whole checkpoint. A checkpoint found damaged then is marked so in the store, and the
-    next fallback takes the newest one before it. A checkpoint.dir holding another job's
+    "Newest" is the highest step of the latest start of a run, not the highest step overall: a
+    run that went back (checkpoint.load_step, or resume: never in a directory holding a
+    longer run) writes lower steps than the run it left, and it is the trajectory the user
+    continues. Each start of a run (`instance`: an id and a start time, agreed through the
+    store, the first worker's clock; a run id may be used again, torchrun's default is
+    "none") trains one trajectory, so within it the higher step is the newer, whichever
+    node's clock published it. So resume takes the newest, `keep` retires the oldest, and
+    export takes the newest. A run's own checkpoints are those of this start of it, plus the
+    one it resumed from. The step is chosen from the manifests (a stat per file); whoever
+    loads a layer checks it against its checksum as it loads it, so a restore costs each
+    worker its own layers, not the whole checkpoint. A publication found damaged then (a
+    checksum, a refused file) is marked so in the store, and no fallback takes it again (the
+    step published anew is taken). A checkpoint.dir holding another job's
     checkpoints is refused when a job starts (`check_dir`), and another job's step is never
     replaced: two jobs must not share one.
 """
