@@ -114,7 +114,7 @@ def run_ours(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
 def run_ours_under_torchrun(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
     """The same job under stock torchrun with our rendezvous on etcd: no launcher of ours marks
     the dead node, so the survivors find it by gloo errors and its still lease."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
     from etcd_server import etcd_server
 
     work = f"{tmp}/ours_torchrun"

@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 STEPS = 30
 MEASURED_KILLS = "node=1,step=6,phase=backward;node=3,step=12,phase=backward;node=4,step=18,phase=backward"

@@ -1,13 +1,18 @@
-"""Shared fixtures and helpers for the test suite."""
+"""Shared fixtures and helpers for the test suite. The tests live in one folder per tier; the
+helpers they import by name (`from jobs import ...`) in tests/helpers/, put on the path here."""
 
 from __future__ import annotations
 
+import pathlib
 import random
+import sys
 
 import pytest
 
-from jobs import failure_free, failure_free_40  # noqa: F401 (fixtures: the single-process reference runs)
-from oobleck_elastic.planning import Cluster, LayerProfile, ModelProfile
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "helpers"))
+
+from jobs import failure_free, failure_free_40  # noqa: E402,F401 (fixtures: the single-process reference runs)
+from oobleck_elastic.planning import Cluster, LayerProfile, ModelProfile  # noqa: E402
 
 
 def random_profile(rng: random.Random, num_layers: int, *, act_scale: float = 1.0) -> ModelProfile:

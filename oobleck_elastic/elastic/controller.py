@@ -2,7 +2,7 @@
 each event (a generation built, a step done, a failure, a record proposed) the next state and
 the one action to take. It decides; it does nothing itself: elastic/run.py carries out the
 actions and reports their outcome as the next event. So every transition is a pure function
-that tests drive without processes (tests/test_controller.py).
+that tests drive without processes (tests/unit/test_controller.py).
 
     JOINING ──Admitted──▶ BUILDING ──Built──▶ TRAINING ──StepDone / EvalDone──▶ TRAINING
        │                   ▲   │                  │ └──StepDone(joiners)──▶ BUILDING (Grow)

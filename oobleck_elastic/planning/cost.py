@@ -31,7 +31,7 @@ Note: [cost model]
     discrete-event simulation of torch's Schedule1F1B with rendezvous messages (`simulate.py`)
     and equals it for balanced stages without transfer time. What it leaves out is queueing
     behind other stages' warm-up and transfers; on planned splits of transformer-shaped
-    profiles the simulation is within 10% (tests/test_cost_model.py). Every term depends on
+    profiles the simulation is within 10% (tests/unit/test_cost_model.py). Every term depends on
     one stage's layers, its position, its boundary with the stage above and the stages above
     it, which is what makes the template search exact (templates.py).
 

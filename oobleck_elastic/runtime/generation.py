@@ -41,7 +41,7 @@ def _no_fault(phase: str) -> None:
 def _return_freed_memory() -> None:
     """Hands the heap freed by a torn-down generation back to the OS (glibc's malloc_trim).
     Without it, the gloo buffers and stage tensors of each generation leave the heap
-    fragmented and resident memory creeps up by ~0.5 MB per recovery (tests/test_leaks.py).
+    fragmented and resident memory creeps up by ~0.5 MB per recovery (tests/jobs/test_leaks.py).
     A no-op where the C library is not glibc."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)

@@ -26,7 +26,7 @@ Note: [mixed precision]
     the copy alone, which the next refresh overwrites. Precision: the statistics are computed
     and kept in bfloat16 (8 significant bits), so the float32 master holds bf16-rounded values,
     not what a float32 run computes: BatchNorm's running mean and variance are off by about
-    1% after 12 updates (tests/test_mixed_buffers.py), and an update below bfloat16's
+    1% after 12 updates (tests/multiproc/test_mixed_buffers.py), and an update below bfloat16's
     resolution is lost, as in a bf16 run. Integer buffers are copied exactly. A float buffer
     no forward changed keeps the master's float32 value: the copy-back takes, element by
     element, only values that differ from the master's rounding. A layer without persistent

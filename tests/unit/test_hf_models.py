@@ -280,4 +280,5 @@ def test_shape_mismatch_names_the_weight(saved, tmp_path):
 
 def test_import_needs_no_transformers():
     code = "import sys; sys.modules['transformers'] = None; import oobleck_elastic.models.hf"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))

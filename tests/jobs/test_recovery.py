@@ -490,7 +490,7 @@ def test_a_run_that_cannot_go_on_says_so_and_stops_its_waiting_joiner(tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "oobleck: the run failed (node " in proc.stderr, proc.stderr[-2000:]
     assert "GiveUp: step 1 failed 4 times with every node alive" in proc.stderr, proc.stderr[-2000:]
-    # the joiner left by itself (tests/test_protocol.py has the mechanism) or, not up yet, was
+    # the joiner left by itself (tests/unit/test_protocol.py has the mechanism) or, not up yet, was
     # stopped with the others: the job never waited out the joiner's 280 s join timeout
     assert "waiting for node 2 to be admitted" not in (tmp_path / "logs/node2.log").read_text()
     assert time.monotonic() - started < 200

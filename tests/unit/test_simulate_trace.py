@@ -24,7 +24,7 @@ from oobleck_elastic.simulation import (
 )
 from oobleck_elastic.simulation.recovery_cost import default_constants, transfer_seconds
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEMORY = 400 * 2**20
 CONSTANTS = RecoveryConstants(detect_s=0.1, teardown_s=0.2, agree_s=0.05, reinit_s=0.03, rebuild_s=0.02,
                               restore_s=0.5, step_overhead_s=0.1, source="test")

@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples/gpt/train.py")
 STEPS = 6
 

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "oobleck_elastic"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "oobleck_elastic"
 # what each layer may import from the package (besides itself and errors)
 ALLOWED = {
     "config": set(),

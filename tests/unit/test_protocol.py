@@ -1,6 +1,6 @@
 """The run's protocol (elastic/protocol.py) on a fake store and a fake clock: what other
 workers do meanwhile is scheduled on the clock, so races, deaths and timeouts are exact and
-take no real time. tests/test_membership.py runs the same protocol on a real store."""
+take no real time. tests/store/test_membership.py runs the same protocol on a real store."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ from typing import Any
 
 import pytest
 
+from generation_records import record
 from oobleck_elastic.elastic.protocol import Protocol, StepAborted, WaitTimeout, wait_until
-from oobleck_elastic.elastic.records import GenerationRecord, Outcome, RecordError, StepDecision
+from oobleck_elastic.elastic.records import Outcome, RecordError, StepDecision
 from oobleck_elastic.elastic.store import MembershipStore, StoreTimeout, StoreUnreachable
 from oobleck_elastic.errors import OobleckError
-from oobleck_elastic.planning import build_instantiation
-from runtime_harness import templates_for
-
-TEMPLATES = templates_for(6, 6)
 
 
 class FakeClock:
@@ -120,12 +117,6 @@ def store(clock) -> FakeStore:
 
 def protocol(store: FakeStore, clock: FakeClock, lease_timeout: float = 30.0) -> Protocol:
     return Protocol(store, lease_timeout, clock=clock, sleep=clock.sleep, wall=clock)
-
-
-def record(generation: int, nodes=((0, 1), (2, 3)), start: int = 0, cause: str = "test") -> GenerationRecord:
-    inst = build_instantiation([TEMPLATES.get(len(p)) for p in nodes], nodes, 24, 2)
-    return GenerationRecord(generation=generation, nodes=inst.nodes, start_step=start, instantiation=inst,
-                            base=generation - 1 if generation else None, cause=cause)
 
 
 def test_wait_until_returns_the_first_value_and_times_out_naming_what_it_awaited(clock):

@@ -215,7 +215,7 @@ def test_only_the_dcp_reader_reads_checkpoint_directories():
     """torch's own readers (FileSystemReader, dcp.load, dcp_to_torch_save) unpickle `.metadata`
     and non-tensor entries unchecked: the package reads checkpoints through runtime.dcp_reader."""
     found = []
-    for path in (pathlib.Path(__file__).resolve().parents[1] / "oobleck_elastic").rglob("*.py"):
+    for path in (pathlib.Path(__file__).resolve().parents[2] / "oobleck_elastic").rglob("*.py"):
         if path.name == "dcp_reader.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

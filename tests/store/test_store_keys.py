@@ -10,9 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from etcd_server import etcd_server
+from generation_records import record
 from oobleck_elastic.elastic.protocol import RECORDS, Protocol
 from oobleck_elastic.elastic.store import connect_store, host_store
-from test_protocol import record
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from etcd_server import etcd_server
 from oobleck_elastic.elastic.protocol import RECORDS
 from oobleck_elastic.elastic.store import connect_store
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 

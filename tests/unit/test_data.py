@@ -17,7 +17,7 @@ from oobleck_elastic.data import TokenFile
 from oobleck_elastic.data.prepare import choose_dtype, main
 from oobleck_elastic.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write_tokens(path, values, dtype="uint16"):
