@@ -1,5 +1,14 @@
-"""Shared fixtures and helpers for the test suite. The tests live in one folder per tier; the
-helpers they import by name (`from jobs import ...`) in tests/helpers/, put on the path here."""
+"""Shared fixtures, and the tiers: each folder under tests/ is one tier (README, "Tests").
+
+unit       no process, no socket, no process group, no store: seconds
+store      a real store in this process (the embedded TCPStore, or an etcd server used as a store)
+multiproc  gloo process groups and spawned ranks, without the launcher
+jobs       whole local jobs: the launcher, torchrun, training scripts and their CLIs
+gpu        CUDA (skipped, with the reason, where torch sees no GPU)
+
+Helpers the tests import by name (`from jobs import ...`) live in tests/helpers/, put on the
+path here, before anything imports them.
+"""
 
 from __future__ import annotations
 
@@ -9,35 +18,51 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "helpers"))
+TESTS = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS / "helpers"))
 
+from etcd_server import etcd_server, make_tls  # noqa: E402
 from jobs import failure_free, failure_free_40  # noqa: E402,F401 (fixtures: the single-process reference runs)
-from oobleck_elastic.planning import Cluster, LayerProfile, ModelProfile  # noqa: E402
+
+FAST_TIERS = ("unit", "store")
+FAST_TIMEOUT_S = 60  # per test; the other tiers keep pyproject's 300 s
+SLOW_TIERS = ("multiproc", "jobs", "gpu")  # what the `slow` marker means: processes are started
 
 
-def random_profile(rng: random.Random, num_layers: int, *, act_scale: float = 1.0) -> ModelProfile:
-    """A small profile with random times and sizes (bytes in units that keep numbers readable)."""
-    layers = []
-    for i in range(num_layers):
-        fwd = rng.uniform(0.5, 3.0)
-        params = rng.randint(1, 50) * 1000
-        layers.append(LayerProfile(
-            name=f"layer{i}", forward_ms=fwd, backward_ms=fwd * rng.uniform(1.5, 2.5),
-            param_bytes=params, grad_bytes=params, optimizer_bytes=2 * params,
-            activation_bytes=int(rng.randint(1, 30) * 1000 * act_scale),
-            output_bytes=rng.randint(1, 5) * 10**6))
-    return ModelProfile(signature=f"random-{num_layers}", microbatch_size=1, dtype="float32",
-                        device="test", torch_version="n/a", device_memory_bytes=None,
-                        layers=tuple(layers))
+def tier(item: pytest.Item) -> str | None:
+    """The tier folder a test lives in (None outside tests/<tier>/)."""
+    try:
+        return item.path.relative_to(TESTS).parts[0]
+    except ValueError:
+        return None
 
 
-def small_cluster(workers_per_node: int = 1, memory: int = 10**9, **kw) -> Cluster:
-    return Cluster(workers_per_node=workers_per_node, memory_per_worker=memory, **kw)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        where = tier(item)
+        if where in FAST_TIERS:
+            # appended: a test's own @pytest.mark.timeout, if it has one, still wins
+            item.add_marker(pytest.mark.timeout(FAST_TIMEOUT_S), append=True)
+        elif where in SLOW_TIERS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
 def rng() -> random.Random:
     return random.Random(1234)
+
+
+@pytest.fixture(scope="module")
+def etcd_port():
+    """A real etcd server (v2 API on), one per test module that asks for it."""
+    with etcd_server() as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """A throwaway CA and the server and client certificates it signed, one per module."""
+    return make_tls(str(tmp_path_factory.mktemp("tls")))
 
 
 @pytest.fixture(autouse=True)

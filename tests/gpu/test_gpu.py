@@ -20,7 +20,6 @@ from jobs import ROOT, SCRIPT, STEPS, assert_matches, job_args, records
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason=f"torch {torch.__version__} sees no CUDA device: the CUDA path is unverified here"),
 ]

@@ -1,11 +1,14 @@
-"""Tiny Hugging Face artefacts built locally, for tests and examples that must not download."""
+"""Tiny Hugging Face artefacts built locally, for tests and examples that must not download; and
+the fixtures of the data.prepare tests (`tokenizer_dir`, `texts`: import them by name)."""
 
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
 
-__all__ = ["make_tokenizer", "make_causal_lm", "write_tokens"]
+import pytest
+
+__all__ = ["DOCS", "make_tokenizer", "make_causal_lm", "texts", "tokenizer_dir", "write_tokens"]
 
 TINY_GPT2 = dict(n_layer=4, n_embd=32, n_head=4, vocab_size=97, n_positions=64, resid_pdrop=0.0,
                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -62,3 +65,21 @@ def make_tokenizer(directory: str | pathlib.Path, texts: Sequence[str], *,
     directory = pathlib.Path(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# Two documents, a tokenizer trained on them and their text files: the input of data.prepare.
+DOCS = ["the cat sat on the mat", "a dog sat on a log and the cat ran"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("hf") / "tok", DOCS)
+
+
+@pytest.fixture
+def texts(tmp_path):
+    paths = []
+    for k, doc in enumerate(DOCS):
+        paths.append(tmp_path / f"doc{k}.txt")
+        paths[-1].write_text(doc + "\n", encoding="utf-8")
+    return [str(p) for p in paths]

@@ -13,7 +13,6 @@ import pytest
 
 from jobs import SCRIPT, assert_matches, job_args, records
 
-pytestmark = pytest.mark.slow
 
 LONG = ["--set", "train.steps=40"]  # as failure_free_40 (jobs.py)
 

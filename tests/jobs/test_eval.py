@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from jobs import SCRIPT, STEPS, assert_matches, job_args, records
 
-pytestmark = pytest.mark.slow
 
 EVAL = ["--set", "eval.interval=2", "--set", "eval.steps=2"]
 

@@ -21,7 +21,6 @@ from jobs import records  # noqa: E402
 from oobleck_elastic.data import TokenFile  # noqa: E402
 from oobleck_elastic.runtime.data import SampleOrder  # noqa: E402
 
-pytestmark = pytest.mark.slow
 STEPS, BATCH, SEQ, LR = 6, 16, 16, 1e-3
 
 

@@ -18,7 +18,6 @@ from oobleck_elastic.elastic.protocol import RECORDS
 from oobleck_elastic.elastic.store import connect_store
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
 
 
 def job_args(tmp_path, name, *extra):

@@ -13,11 +13,9 @@ import sys
 import time
 
 import psutil
-import pytest
 
 from jobs import SCRIPT, job_args, records, run_processes
 
-pytestmark = pytest.mark.slow
 
 GENERATIONS = 50
 BOUNDS = {"fds": 4, "threads": 2, "rss_mb": 32.0}  # growth of the peaks from generations 5-15 to the last 10

@@ -10,11 +10,8 @@ import sys
 import time
 
 import psutil
-import pytest
 
 from jobs import SCRIPT, STEPS, assert_matches, job_args, records, run_processes
-
-pytestmark = pytest.mark.slow
 
 
 def worker(run_id: str, node: int, local_rank: int) -> psutil.Process:

@@ -16,8 +16,6 @@ import pytest
 from jobs import SCRIPT, STEPS, assert_matches, job_args, node_worker, records, run_processes
 from oobleck_elastic.runtime.checkpoint import checkpoints
 
-pytestmark = pytest.mark.slow
-
 
 def wait_for_step_one(tmp_path, proc: subprocess.Popen, timeout: float = 200) -> None:
     """Polls the job's metrics log until step 1 is logged (the job is under way)."""

@@ -17,7 +17,6 @@ import pytest
 
 from jobs import SCRIPT, assert_matches, job_args, node_worker, records, run_processes
 
-pytestmark = pytest.mark.slow
 
 STEPS = 14
 SETS = ["--set", f"train.steps={STEPS}", "--set", "checkpoint.interval=4"]

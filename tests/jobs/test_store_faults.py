@@ -8,12 +8,9 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from etcd_server import etcd_process
 from jobs import SCRIPT, STEPS, assert_matches, job_args, records, run_processes
 
-pytestmark = pytest.mark.slow
 
 # The blip (2 s down, then etcd's own start) must be shorter than the collective timeout too:
 # workers read a step's decision from etcd one by one, so an outage can catch some of them

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from runtime_harness import Phase, reference, run_job
-
-pytestmark = pytest.mark.slow
 
 
 def assert_same_weights(results, expected, rtol=1e-10):

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from runtime_harness import Phase, reference, run_job
 from test_runtime_exact import assert_same_weights
-
-pytestmark = pytest.mark.slow
 
 
 def test_twenty_rebuilds_leak_nothing_and_train_exactly(tmp_path):

@@ -1,20 +1,19 @@
 """Layer-state transfer (runtime/transfer.py Note: [transfer wire format]) on real gloo
 processes: large tensors sent and received in place, small ones through flat buffers, every
-replica bit-identical to its source; and an optimizer primed on meta holding the state a real
-first step makes (runtime/layers.py Note: [priming on meta])."""
+replica bit-identical to its source (an optimizer primed on meta:
+tests/unit/test_transfer_unit.py)."""
 
 from __future__ import annotations
 
 import datetime
 
-import pytest
 import torch
 
 from examples.gpt.model import GPTConfig, gpt_model
 from oobleck_elastic.config import load_config
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime import transfer
-from oobleck_elastic.runtime.layers import LayerState, LayerStore
+from oobleck_elastic.runtime.layers import LayerStore
 from runtime_harness import free_port, spawn_ranks
 
 # d_model 256: a block's weights (256 x 768 ...) go as messages of their own, its norms and
@@ -66,21 +65,3 @@ def test_layers_arrive_bit_identical_with_large_tensors_in_place_and_small_ones_
     assert sent == received > 0
     assert direct == direct_here >= 8, "the block's large weights and their AdamW state should go in place"
     assert received == 4 * numel, "every float32 of the layers (weights, AdamW state, steps), once"
-
-
-@pytest.mark.parametrize("name", ["AdamW", "SGD", "RMSprop", "NAdam", "Adagrad", "ASGD"])
-def test_an_optimizer_primed_on_meta_holds_what_a_real_first_step_makes(name):
-    extra = ["train.optimizer.momentum=0.9"] if name == "SGD" else []
-    train = load_config(None, [f"train.optimizer.name={name}", *extra]).train
-    primed = LayerState(torch.nn.Linear(8, 4), train)
-    primed.prime_optimizer()  # ASGD reads .item() in its step: it falls back to a real step
-    stepped = LayerState(torch.nn.Linear(8, 4), train)
-    for p in stepped.params:
-        p.grad = torch.zeros_like(p)
-    stepped.optimizer.step()
-
-    def layout(state):
-        return [(k, tuple(v.shape), v.dtype, v.device) if torch.is_tensor(v) else (k, v)
-                for p in state.params for k, v in sorted(state.optimizer.state[p].items())]
-    assert layout(primed) == layout(stepped)
-    assert [p.grad for p in primed.params] == [None, None]

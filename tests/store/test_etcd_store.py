@@ -1,32 +1,21 @@
-"""The etcd membership store on a real etcd server: JSON records, compare-and-set with exactly
-one winner across processes, exact counters under contention and lost responses, bounded
-waits, a clear error when etcd is not there, and gloo process groups bootstrapped through it
-for several generations."""
+"""The etcd membership store on a real etcd server: JSON records, compare-and-set, exact
+counters under contention (threads) and lost responses, bounded waits, restarts ridden out, and
+a clear error when etcd is not there (across processes, process groups included:
+tests/multiproc/test_etcd_store_multiproc.py). `etcd_port` is the root conftest's: one server
+per module."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 import threading
 import time
 from collections.abc import Callable
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from etcd_server import etcd_server
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import StoreTimeout, StoreUnreachable, connect_store
-from runtime_harness import spawn_ranks
-
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def etcd_port():
-    with etcd_server() as port:
-        yield port
 
 
 def test_records_counters_and_waits(etcd_port):
@@ -48,60 +37,12 @@ def test_records_counters_and_waits(etcd_port):
     assert other_run.try_get_json("nodes/0") is None, "runs do not see each other's keys"
 
 
-def _contend(port: int, worker: int, queue) -> None:
-    store = connect_store(f"etcd://127.0.0.1:{port}", "contend")
-    won = store.create_json("decision", {"by": worker})
-    counts = [store.add("counter", 1) for _ in range(25)]
-    queue.put((worker, won, counts))
-
-
-def test_compare_and_set_and_counters_across_processes(etcd_port):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_contend, args=(etcd_port, w, queue)) for w in range(4)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=120) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    winners = [w for w, won, _ in results if won]
-    assert len(winners) == 1
-    store = connect_store(f"etcd://127.0.0.1:{etcd_port}", "contend")
-    assert store.get_json("decision", 1.0) == {"by": winners[0]}
-    seen = sorted(c for _, _, counts in results for c in counts)
-    assert seen == list(range(1, 101)), "every add saw a distinct value: none lost, none doubled"
-
-
 def test_unreachable_etcd_is_a_clear_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
     with pytest.raises(StoreUnreachable, match=f"etcd at 127.0.0.1:{port} is unreachable.*--enable-v2"):
         connect_store(f"etcd://127.0.0.1:{port}", "nobody", timeout=1.0)
-
-
-def _generations(rank: int, port: int, world: int, queue) -> None:
-    store = connect_store(f"etcd://127.0.0.1:{port}", "groups", timeout=60)
-    sums = []
-    for generation in range(3):
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}", store.torch_store()),
-                                rank=rank, world_size=world)
-        x = torch.full((4,), float(rank + generation))
-        dist.all_reduce(x)
-        sums.append(x[0].item())
-        dist.destroy_process_group()
-    queue.put((rank, sums))
-
-
-def test_process_groups_bootstrap_through_etcd_for_several_generations(etcd_port):
-    world = 3
-    results = dict(spawn_ranks(_generations, world, etcd_port, world, timeout=180))
-    expected = [sum(r + g for r in range(world)) for g in range(3)]
-    assert all(results[r] == expected for r in range(world)), results
 
 
 def test_etcd_without_the_v2_api_is_a_clear_error():

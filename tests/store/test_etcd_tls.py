@@ -1,25 +1,17 @@
 """etcd with TLS and client certificates, and with v2 user auth (issue 14): `--rdzv-conf
 etcd_cacert=...,etcd_cert=...,etcd_key=...,etcd_user=...` reaches every client (agents, the
 launcher, the workers through their store URL, torch's c10d store for process groups); wrong
-settings are one clear line."""
+settings are one clear line (a local job on etcd with TLS: tests/jobs/test_etcd_tls_jobs.py).
+`tls` is the root conftest's: one throwaway CA per module."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from etcd_server import enable_auth, etcd_process, make_tls
-from jobs import SCRIPT, assert_matches, job_args, records
+from etcd_server import enable_auth, etcd_process
 from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
 from oobleck_elastic.elastic.store import StoreUnreachable, connect_store
 from oobleck_elastic.errors import ConfigError
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory):
-    return make_tls(str(tmp_path_factory.mktemp("tls")))
 
 
 def test_a_client_with_the_ca_and_a_certificate_reads_and_writes_and_passes_it_on(tls):
@@ -49,23 +41,6 @@ def test_bad_tls_settings_are_refused_before_connecting(tls, monkeypatch):
     monkeypatch.delenv("OOBLECK_ETCD_PASSWORD", raising=False)
     with pytest.raises(ConfigError, match="set OOBLECK_ETCD_PASSWORD"):
         EtcdAccess.from_config({"etcd_user": "root"})
-
-
-@pytest.mark.slow
-def test_a_local_job_on_etcd_with_tls_recovers_exactly(tmp_path, tls, failure_free):
-    import os
-
-    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=2,phase=backward"}
-    conf = f"store=etcd,etcd_cacert={tls['ca']},etcd_cert={tls['client_cert']},etcd_key={tls['client_key']}"
-    with etcd_process(tls=tls) as server:
-        proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=3",
-                               "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", f"--rdzv-conf={conf}",
-                               f"--rdzv-endpoint=127.0.0.1:{server.port}", "--rdzv-id=tlsjob", SCRIPT,
-                               *job_args(tmp_path, "job"), "--set", "planner.memory_per_worker=1GB"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "lost node(s) [1] at step 3" in proc.stdout
-    assert_matches(records(tmp_path / "job/metrics.jsonl")[-1], failure_free)
 
 
 def test_a_user_with_its_password_reads_and_writes_and_a_wrong_one_is_one_line(monkeypatch):

@@ -1,15 +1,16 @@
 """The run report: a committed step's record survives a store that fails to take the progress
-mirror (issue 10, item 5: a store glitch after the commit used to fail rank 0's step)."""
+mirror (issue 10, item 5: a store glitch after the commit used to fail rank 0's step); the
+launcher's mirror of progress, recoveries and the end; a new reporter's history (the metrics
+log alone: tests/unit/test_reporting_unit.py)."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch.distributed as dist
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.monitoring.metrics import JsonlSink, read_records
+from oobleck_elastic.monitoring.metrics import read_records
 from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import host_store
@@ -57,36 +58,6 @@ def test_the_report_mirrors_progress_recoveries_and_the_end_for_the_launcher(tmp
     assert mirror.done() == {"steps": 2}
     events = [json.loads(line).get("event", "step") for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert events == ["recovery", "step", "final"]
-
-
-def test_metrics_log_reads_back_whole_records_only(tmp_path):
-    path = str(tmp_path / "metrics.jsonl")
-    sink = JsonlSink(path)
-    sink.write({"step": 0, "loss": 1.5})
-    sink.write({"event": "final", "step": 1})
-    sink.close()
-    assert read_records(path) == [{"step": 0, "loss": 1.5}, {"event": "final", "step": 1}]
-    with open(path, "a", encoding="utf-8") as f:
-        f.write('{"step": 2, "lo')  # the writer killed mid-record
-    assert [r["step"] for r in read_records(path)] == [0, 1]
-    # the next rank 0 appends to the same log: the torn record goes, not glued to the new one
-    sink = JsonlSink(path)
-    sink.write({"step": 2, "loss": 1.25})
-    sink.close()
-    assert sink.dropped == len('{"step": 2, "lo')
-    assert read_records(path) == [{"step": 0, "loss": 1.5}, {"event": "final", "step": 1},
-                                  {"step": 2, "loss": 1.25}]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write('{"step": 0, "lo')  # killed in its first record
-    JsonlSink(path).close()
-    assert (tmp_path / "metrics.jsonl").read_text() == ""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write('{"step": 0}\nnot json\n{"step": 1}\n')
-    with pytest.raises(ValueError, match="metrics.jsonl:2 is not a JSON record"):
-        read_records(path)
-    assert read_records(str(tmp_path / "none.jsonl"), missing_ok=True) == []
-    with pytest.raises(FileNotFoundError):
-        read_records(str(tmp_path / "none.jsonl"))
 
 
 def test_a_new_reporter_keeps_the_runs_earlier_steps_for_its_throughput_figure(tmp_path):

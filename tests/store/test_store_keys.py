@@ -9,18 +9,9 @@ import contextlib
 import pytest
 import torch.distributed as dist
 
-from etcd_server import etcd_server
 from generation_records import record
 from oobleck_elastic.elastic.protocol import RECORDS, Protocol
 from oobleck_elastic.elastic.store import connect_store, host_store
-
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def etcd_port():
-    with etcd_server() as port:
-        yield port
 
 
 @contextlib.contextmanager

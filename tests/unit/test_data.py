@@ -1,23 +1,22 @@
-"""Token files: exact samples and targets, each error message, and the prepare CLI end to end."""
+"""Token files: exact samples and targets, each error message, and the prepare CLI in this
+process (as a module of its own: tests/jobs/test_data_jobs.py)."""
 
 from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from hf_fixtures import make_tokenizer
+from hf_fixtures import DOCS, make_tokenizer, texts, tokenizer_dir  # noqa: F401 (fixtures)
 from oobleck_elastic.config.schema import DataConfig
 from oobleck_elastic.data import TokenFile
 from oobleck_elastic.data.prepare import choose_dtype, main
 from oobleck_elastic.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write_tokens(path, values, dtype="uint16"):
@@ -108,22 +107,6 @@ def test_id_beyond_the_vocabulary_is_caught_on_each_batch(tmp_path):
 
 # --- python -m oobleck_elastic.data.prepare ---------------------------------------------------
 
-DOCS = ["the cat sat on the mat", "a dog sat on a log and the cat ran"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("hf") / "tok", DOCS)
-
-
-@pytest.fixture
-def texts(tmp_path):
-    paths = []
-    for k, doc in enumerate(DOCS):
-        paths.append(tmp_path / f"doc{k}.txt")
-        paths[-1].write_text(doc + "\n", encoding="utf-8")
-    return [str(p) for p in paths]
-
 
 def test_prepare_writes_documents_joined_by_eos(tokenizer_dir, texts, tmp_path, capsys):
     from transformers import AutoTokenizer
@@ -184,18 +167,3 @@ def test_prepare_without_eos_concatenates(texts, tmp_path, capsys):
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     expected = sum((tok(doc, add_special_tokens=False)["input_ids"] for doc in DOCS), [])
     assert np.fromfile(out, dtype="<u2").tolist() == expected
-
-
-def run_module(*args):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, "-m", "oobleck_elastic.data.prepare", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
-
-
-def test_module_entry_point(tokenizer_dir, texts, tmp_path):
-    out = tmp_path / "train.bin"
-    done = run_module("--tokenizer", str(tokenizer_dir), "--output", str(out), *texts)
-    assert done.returncode == 0, done.stderr
-    assert "token_dtype: uint16" in done.stdout and out.stat().st_size > 0
-    failed = run_module("--tokenizer", str(tokenizer_dir), "--output", str(out), "gone.txt")
-    assert failed.returncode == 2 and failed.stderr.startswith("error: no such text file")

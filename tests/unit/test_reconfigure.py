@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import random_profile, small_cluster
 from oobleck_elastic.errors import LayersLostError
 from oobleck_elastic.planning import (
     ReconfigurationPlan,
@@ -22,6 +21,7 @@ from oobleck_elastic.planning import (
     reconfigure,
     synthetic_gpt,
 )
+from random_profiles import random_profile, small_cluster
 
 
 def check_plan(ts, before, plan, lost, joined):

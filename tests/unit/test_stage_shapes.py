@@ -1,11 +1,11 @@
 """Pipeline stages know their shapes before the first step: nothing a peer sends is unpickled
-(runtime.generation Note: [static stage shapes])."""
+(runtime.generation Note: [static stage shapes]); a job that checks it on gloo processes:
+tests/multiproc/test_stage_shapes_multiproc.py."""
 
 from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 from torch import nn
 
@@ -16,7 +16,7 @@ from oobleck_elastic.models.sequential import sequential_model
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.model import boundary_activations, materialize_layer
 from oobleck_elastic.runtime.trainer import Trainer
-from runtime_harness import TINY, Phase, reference, run_job
+from runtime_harness import TINY
 
 
 def test_boundaries_are_what_a_real_forward_produces():
@@ -52,16 +52,3 @@ def test_a_model_that_cannot_run_on_meta_falls_back_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING):
         assert trainer.boundaries() is None
     assert "does not run on the meta device" in caplog.text and "pickles" in caplog.text
-
-
-@pytest.mark.slow
-def test_no_worker_unpickles_what_a_peer_sends(tmp_path):
-    # the harness makes every object exchange fail (runtime_harness.forbid_pickled_exchanges):
-    # two layouts, so the stages are built twice with new neighbours
-    phases = [Phase(pipelines=((0, 1), (2, 3, 4)), steps=2), Phase(pipelines=((0, 2, 1), (3, 4)), steps=1)]
-    results = run_job(phases, tmp_path)
-    expected = reference(3)
-    for result in results.values():
-        for layer, state in result["state"].items():
-            for name, value in state.items():
-                assert torch.allclose(value, expected[layer][name], rtol=1e-10, atol=0), (layer, name)
