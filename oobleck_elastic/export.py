@@ -28,7 +28,7 @@ def export_checkpoint(root: str, out_dir: str) -> tuple[int, str]:
     if not found:
         raise OobleckError(f"{root!r} holds no complete checkpoint (a run writes one after its last step "
                            "and every checkpoint.interval steps)")
-    step, manifest = max(found, key=lambda item: (item[1].get("time", 0.0), item[0]))  # the newest run's last
+    step, manifest = found[0]  # the newest: the latest start's highest step (Note: [newest checkpoint])
     state = load_model_state(root, step, manifest["layers"])
     model = manifest.get("model") or {"format": "safetensors"}
     os.makedirs(out_dir, exist_ok=True)
