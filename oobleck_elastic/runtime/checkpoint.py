@@ -368,7 +368,9 @@ def _recency(item: tuple[int, Mapping[str, Any]]) -> tuple[float, int]:
     trajectory: a step it wrote again holds what it held). Each start's time is one clock's,
     so nodes whose clocks differ do not reorder a run's own checkpoints."""
     step, meta = item
-    started = meta.get("instance_started", meta.get("time"))  # older manifests: their own time
+    started = meta.get("instance_started")
+    if not isinstance(started, (int, float)):  # older manifests (and no known start): their own time
+        started = meta.get("time")
     return (started if isinstance(started, (int, float)) else 0.0), step
 
 
