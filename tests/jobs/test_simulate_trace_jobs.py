@@ -8,17 +8,17 @@ from jobs import ROOT
 
 def test_the_simulator_predicts_a_local_job_with_three_kills_within_a_quarter(tmp_path):
     """The GPT example on 5 local nodes, 3 of them SIGKILLed (the third leaves no replica of some
-    layers: a checkpoint restore), predicted from its own profile and its kill times with the
-    shipped recovery constants, never fitted to this run (benchmarks/simulator_vs_job.py also
-    fits them to a calibration run)."""
+    layers: a checkpoint restore), predicted from its own profiles (taken alone just before and
+    just after it: Note: [profiles around the job] in benchmarks/simulator_vs_job.py) and its
+    kill times with the shipped recovery constants, never fitted to this run
+    (benchmarks/simulator_vs_job.py also fits them to a calibration run)."""
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from simulator_vs_job import MEASURED_KILLS, kill_trace, measure_profile, predict, run
+    from simulator_vs_job import MEASURED_KILLS, kill_trace, predict_around, profiles_around, run
 
-    own = ["--set", f"planner.profile_dir={tmp_path / 'profiles'}"]  # measured alone, not beside other tests' jobs
-    profile = measure_profile(tmp_path, own)
+    own, after = profiles_around(tmp_path)  # measured alone, not beside other tests' jobs
     start, measured, _ = run(tmp_path, "run", MEASURED_KILLS, own)
-    row = predict(tmp_path, profile, kill_trace(tmp_path, "run", start), [])
+    row = predict_around(tmp_path, after(), kill_trace(tmp_path, "run", start), [])
     assert (row["recoveries"], row["fallbacks"]) == (3, 1), row
-    assert 0.75 <= row["finished_at_s"] / measured <= 1.25, (row["finished_at_s"], measured)
+    assert 0.75 <= row["finished_at_s"] / measured <= 1.25, (row["each_s"], measured)
