@@ -331,7 +331,8 @@ class MonitoringConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ElasticConfig:
-    """Timeouts of the elastic layer, ordered so they never race (see DESIGN.md)."""
+    """Timeouts of the elastic layer, ordered so they never race: a collective times out before
+    a lease expires, and a lease before the survivors give up agreeing."""
 
     heartbeat_interval_s: float = 0.2
     """Seconds between lease renewals."""

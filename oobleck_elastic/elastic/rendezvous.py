@@ -3,8 +3,8 @@ heartbeat lease, and tell their workers where the run lives.
 
 Membership is ours, not torch's: the handler admits nodes into the live membership itself and
 reports no waiting nodes, so torch's agent never restarts healthy workers because of a
-membership change (DESIGN.md, torchrun). torch's own per-agent bookkeeping (rank assignment,
-the exit barrier) gets a private store prefix per node and a world of one, so no agent ever
+membership change (its agent restarts workers only when one of them exits or nodes wait).
+torch's own per-agent bookkeeping (rank assignment, the exit barrier) gets a private store prefix per node and a world of one, so no agent ever
 waits for another one, dead or alive. Workers find the run through `OOBLECK_STORE`,
 `OOBLECK_RUN_ID` and `OOBLECK_NODE_ID`, set here in the agent's environment, which torch
 copies into every worker it starts; that makes stock torchrun and our launcher alike:

@@ -63,7 +63,6 @@ import os
 import pickle
 import re
 import shutil
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -76,6 +75,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from oobleck_elastic.errors import CheckpointDamaged, ConfigError, OobleckError
+from oobleck_elastic.runtime.background_writer import BackgroundWriter
 from oobleck_elastic.runtime.dcp_reader import empty_tensors, flat_keys, load_tensors, read_metadata
 from oobleck_elastic.runtime.layers import LayerState, LayerStore
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint, state_shapes
@@ -576,38 +576,3 @@ def _require_optimizer_state(path: str, metadata: Metadata, target: Mapping[str,
             raise ConfigError(f"checkpoint {path} holds no {key}, which train.optimizer's arguments need (one "
                                "that adds optimizer state, such as amsgrad, differs from the job that wrote it); "
                                "resume with that job's train.optimizer, or set checkpoint.resume=never")
-
-
-class BackgroundWriter:
-    """Runs one checkpoint write at a time in a thread, off the training step. `wait()` before
-    the next one (and before the process ends) bounds how far behind the disk may fall."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    def submit(self, write, timeout: float) -> None:
-        self.wait(timeout)
-        self._thread = threading.Thread(target=self._run, args=(write,), name=f"oobleck-checkpoint-{self.name}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, write) -> None:
-        try:
-            write()
-        except BaseException as exc:  # kept for wait(): training goes on, the checkpoint is not published
-            self.error = exc
-            logger.error("[%s] writing a checkpoint failed; it is not published: %s", self.name,
-                         str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-
-    def wait(self, timeout: float) -> BaseException | None:
-        """Waits for the write under way; returns (and forgets) the error of the last one."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise OobleckError(f"[{self.name}] a checkpoint write has not finished after {timeout:.0f} s; "
-                                   "is checkpoint.dir on a slow or hung file system?")
-            self._thread = None
-        error, self.error = self.error, None
-        return error

@@ -3,7 +3,7 @@
 Note: [generation lifetime]
     gloo closes a process group's sockets only when the last Python reference to it goes:
     held exceptions and tracebacks, Work objects, PipelineStage and schedule objects and
-    subgroup handles all keep it alive (DESIGN.md, gloo facts). So everything of generation g
+    subgroup handles all keep it alive (seen with torch 2.13 on gloo). So everything of generation g
     hangs off its Generation and nothing else: close() drops every reference, destroys the
     process groups, and the next generation starts on a fresh PrefixStore("gen<g>").
 """
