@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILLS = ["node=1,step=8,phase=backward;node=3,step=16,phase=backward;node=4,step=24,phase=backward",
          "node=2,step=6,phase=forward;node=4,step=14,phase=grad_sync;node=1,step=22,phase=backward",
@@ -49,8 +48,9 @@ def profile_alone(base: str) -> None:
 
 
 def run_job(work: str, kills: str) -> str:
-    sets = [*SETS, f"planner.profile_dir={os.path.dirname(work)}/profiles", f"monitoring.metrics_path={work}/metrics.jsonl",
-            f"monitoring.tensorboard_dir={work}/tb", f"checkpoint.dir={work}/checkpoints"]
+    sets = [*SETS, f"planner.profile_dir={os.path.dirname(work)}/profiles",
+            f"monitoring.metrics_path={work}/metrics.jsonl", f"monitoring.tensorboard_dir={work}/tb",
+            f"checkpoint.dir={work}/checkpoints"]
     env = {**os.environ, "OOBLECK_FAULT": kills, "OOBLECK_FAULT_LOG": f"{work}/kills.jsonl"}
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
                            "--nproc-per-node=1", f"--oobleck-log-dir={work}/logs",

@@ -10,9 +10,10 @@ Prints the median steady-state step time of each and their ratio, the median of 
 ratios (goal: ours within 5%). It also measures the link between two worker processes
 (bandwidth: a gloo all-reduce of the model's gradients; latency: a gloo exchange of one
 activation each way, as torch's schedule pairs its sends and receives, between workers that
-compute between exchanges: Note: [latency under load] at measure_latency_us), plans heterogeneous layouts and prints, for every layout, the measured
-step time beside the cost model's estimate (pipeline schedule with its exchanges + gradient
-all-reduce across pipelines + optimizer step) and the error. The estimate re-times each
+compute between exchanges: Note: [latency under load] at measure_latency_us), plans
+heterogeneous layouts and prints, for every layout, the measured step time beside the cost
+model's estimate (pipeline schedule with its exchanges + gradient all-reduce across pipelines
++ optimizer step) and the error. The estimate re-times each
 layout's split with profiles (forward, backward and optimizer step per layer) that the workers
 take at the start of every round, --workers of them at once: this shared machine's speed
 drifts by 15% and more between minutes, and workers computing at once share its memory
@@ -56,15 +57,17 @@ def _baseline_steps(rank, pipelines, cfg, spec, data, steps, timeout):
     """Plain pipelining: the reference implementation the runtime is measured against."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from oobleck_elastic.runtime.model import materialize_layer
     from oobleck_elastic.runtime.data import SampleOrder
+    from oobleck_elastic.runtime.model import materialize_layer
 
     stages = len(pipelines[0])
     p, s = divmod(rank, stages)
     per = spec.num_layers // stages
     bounds = [min(k * per, spec.num_layers) for k in range(stages)] + [spec.num_layers]
-    pipe_groups = [dist.new_group(list(range(q * stages, (q + 1) * stages)), timeout=timeout) for q in range(len(pipelines))]
-    stage_groups = [dist.new_group([q * stages + k for q in range(len(pipelines))], timeout=timeout) for k in range(stages)]
+    pipe_groups = [dist.new_group(list(range(q * stages, (q + 1) * stages)), timeout=timeout)
+                   for q in range(len(pipelines))]
+    stage_groups = [dist.new_group([q * stages + k for q in range(len(pipelines))], timeout=timeout)
+                    for k in range(stages)]
     module = torch.nn.Sequential(*(materialize_layer(spec, i, seed=0, dtype=torch.float32)
                                    for i in range(bounds[s], bounds[s + 1])))
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -388,15 +391,18 @@ def main() -> int:
     for name, _ in compared:
         base = statistics.median(med[(name, "baseline")])
         ours = statistics.median(med[(name, "ours")])
-        ratios = [statistics.median(step_times[(name, "ours", r)]) / statistics.median(step_times[(name, "baseline", r)])
+        ratios = [statistics.median(step_times[(name, "ours", r)])
+                  / statistics.median(step_times[(name, "baseline", r)])
                   for r in range(args.rounds)]
         print(f"  {name:18s} baseline {base * 1e3:8.1f} ms/step, ours {ours * 1e3:8.1f} ms/step, "
               f"ratio ours/baseline {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f}; "
               f"goal <= 1.05)")
     bandwidth_from = 'given' if args.bandwidth is not None else 'measured: gloo all-reduce here'
+    latency_from = ('given' if alone is None
+                    else f'measured: gloo exchange between busy workers here; {alone:.0f} us between idle ones')
     print(f"cost model (pipelines, gradient all-reduce over {cfg.planner.inter_node_bandwidth:.2f} GB/s "
           f"({bandwidth_from}), link latency "
-          f"{cfg.planner.link_latency_us:.0f} us ({'given' if alone is None else f'measured: gloo exchange between busy workers here; {alone:.0f} us between idle ones'}), "
+          f"{cfg.planner.link_latency_us:.0f} us ({latency_from}), "
           f"optimizer step) against measured, {os.cpu_count()} cores for up to {world} workers:")
     taken = [q for _, _, profiles in results for q in profiles]
     beside = mean_profile(taken)

@@ -46,8 +46,9 @@ def main() -> int:
           f"replaced after 5 min), 4 systems: {total:.1f} s wall, {cpu:.1f} s CPU with --layouts per-count "
           f"(first plan {planned:.1f} s; goal < 60 s; load average {os.getloadavg()[0]:.1f})")
     for r in results:
-        print(f"  {r.system:9s} {r.samples_per_s:10.1f} samples/s ({r.samples_per_s / r.failure_free_samples_per_s:.0%} "
-              f"of failure-free)" if r.failure_free_samples_per_s else f"  {r.system:9s} {r.note}")
+        print(f"  {r.system:9s} {r.samples_per_s:10.1f} samples/s "
+              f"({r.samples_per_s / r.failure_free_samples_per_s:.0%} of failure-free)"
+              if r.failure_free_samples_per_s else f"  {r.system:9s} {r.note}")
 
     prefix = dataclasses.replace(trace, events=trace.events[:args.exact_events],
                                  duration_s=trace.events[args.exact_events].time_s)

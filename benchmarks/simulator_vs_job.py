@@ -140,7 +140,8 @@ def main() -> int:
         fitted = tmp_path / "constants.json"
         simulate(tmp_path, ["--fit", str(calibration_log), "--profile", str(profile), *JOB, "--fit-out", str(fitted)])
         print(f"measured {measured:.2f} s (the calibration run: {calibration_s:.2f} s)")
-        for label, extra in (("shipped constants", []), ("fitted to the calibration run", ["--constants", str(fitted)])):
+        for label, extra in (("shipped constants", []),
+                             ("fitted to the calibration run", ["--constants", str(fitted)])):
             row = predict_around(tmp_path, profiles, trace, extra)
             predicted = row["finished_at_s"]
             print(f"{label}: predicted {predicted:.2f} s (profiles before / after: "

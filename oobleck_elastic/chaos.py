@@ -28,6 +28,7 @@ import uuid
 import psutil
 import torch
 
+from oobleck_elastic.elastic.process import run_id_of
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launch import build_parser, job_config_of
 from oobleck_elastic.launcher.chaos import ChaosConfig, ChaosSchedule, chaos_report
@@ -78,7 +79,7 @@ def _orphans(run_id: str) -> list[int]:
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("OOBLECK_RUN_ID") == run_id:
+            if run_id_of(proc) == run_id and proc.pid != os.getpid():
                 found.append(proc.pid)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_args = _job_args([*a.script_args, *(x for kv in a.reference_set for x in ("--set", kv))], a.out, "reference")
     _reference(a.script, ref_args, a.out)
     ref_cfg = job_config_of(ref_args)
+    assert ref_cfg is not None, "the script takes --set: the job's paths were set with it"
     reference = read_records(ref_cfg.monitoring.metrics_path)
     n, worst_loss, at = compare_losses(read_records(cfg.monitoring.metrics_path), reference)
     finals = [r for r in reference if r.get("event") == "final"]

@@ -2,10 +2,10 @@
 model's own format.
 
 The newest is the one written last (a directory several runs wrote to exports the latest
-run's, not the highest step). For a Hugging Face model, OUT_DIR is a directory that `AutoModelForCausalLM.from_pretrained`
-loads (config.json + model.safetensors, tied weights stored as transformers stores them); for
-any other model, OUT_DIR/model.safetensors holds the full state_dict under the model's own
-parameter names (runtime.model Note: [parameter names]).
+run's, not the highest step). For a Hugging Face model, OUT_DIR is a directory that
+`AutoModelForCausalLM.from_pretrained` loads (config.json + model.safetensors, tied weights
+stored as transformers stores them); for any other model, OUT_DIR/model.safetensors holds the
+full state_dict under the model's own parameter names (runtime.model Note: [parameter names]).
 """
 
 from __future__ import annotations

@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--oobleck-log-dir", default="runs/logs", help="per-node logs of a local job")
     parser.add_argument("--oobleck-add-node-at-step", type=int, action="append", default=[], metavar="K",
                         help="local jobs: start one more node once step K is done (repeatable)")
+    # torchrun's --start-method applies to function entrypoints only; here it picks how a Python
+    # training script's workers start (launcher/forked_workers.py)
+    parser.set_defaults(start_method="fork")
+    for action in parser._actions:
+        if action.dest == "start_method":
+            action.help = ("how workers start: 'fork' (the default) forks each from a process of its node that "
+                           "has imported torch and this package once; 'spawn' starts a new interpreter for each, "
+                           "as torchrun does")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="show node logs and more")
     parser.add_argument("--oobleck-node", action="store_true", help=argparse.SUPPRESS)
     return parser

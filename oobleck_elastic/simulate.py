@@ -16,6 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 from oobleck_elastic.errors import ConfigError, OobleckError
 from oobleck_elastic.plan import add_job_arguments, job_inputs
@@ -37,7 +38,7 @@ are our assumptions. Every value can be overridden with its option."""
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, like every other error of this CLI
+    def error(self, message: str) -> NoReturn:  # one line, like every other error of this CLI
         print(f"error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
 
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _baselines(items: Sequence[str]) -> Baselines:
-    parts = {"restart": {}, "redundant": {}, "torchrun": {}}
+    parts: dict[str, dict[str, float]] = {"restart": {}, "redundant": {}, "torchrun": {}}
     for item in items:
         key, sep, value = item.partition("=")
         system, _, field = key.partition(".")
@@ -177,7 +178,8 @@ def run(args: argparse.Namespace) -> dict:
     constants = load_constants(args.constants) if args.constants else default_constants()
     baselines = _baselines(args.baseline)
     started = time.perf_counter()
-    plan, cache = job.plan(args.nnodes), {}
+    plan = job.plan(args.nnodes)
+    cache: dict = {}
     results = [r for trace in traces for r in simulate(job, trace, constants, baselines=baselines, systems=systems,
                                                         seed=args.seed, layouts=args.layouts,
                                                         goal_steps=args.steps, plan=plan, cache=cache)]

@@ -17,7 +17,7 @@ from oobleck_elastic.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "DataConfig", "ElasticConfig", "EvalConfig", "JobConfig", "LRScheduleConfig", "MonitoringConfig",
-    "OptimizerConfig", "PlannerConfig", "TrainConfig", "apply_overrides", "load_config",
+    "CheckpointConfig", "DataConfig", "ElasticConfig", "EvalConfig", "JobConfig", "LRScheduleConfig",
+    "MonitoringConfig", "OptimizerConfig", "PlannerConfig", "TrainConfig", "apply_overrides", "load_config",
     "parse_bytes", "parse_section", "read_yaml",
 ]

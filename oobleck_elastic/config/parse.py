@@ -12,13 +12,16 @@ import difflib
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from oobleck_elastic.errors import ConfigError
 
 __all__ = ["parse_section", "did_you_mean", "join_path"]
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def join_path(prefix: str, key: str) -> str:
@@ -96,7 +99,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if value not in get_args(tp):
             raise ConfigError(f"{path} must be {_type_name(tp)}, got {value!r}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a dataclass type, not an instance
         return parse_section(tp, value, path)
     if origin is tuple:  # tuple[X, ...]: a YAML list of X
         if isinstance(value, (str, Mapping)) or not isinstance(value, (list, tuple)):

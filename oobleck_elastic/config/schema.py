@@ -194,11 +194,13 @@ class TrainConfig:
     @property
     def param_dtype(self) -> str:
         """dtype name of the master parameters, gradients and optimizer state."""
+        assert self.precision is not None, "set in __post_init__"
         return PRECISIONS[self.precision][0]
 
     @property
     def compute_dtype(self) -> str:
         """dtype name of forward/backward compute and of the activations between stages."""
+        assert self.precision is not None, "set in __post_init__"
         return PRECISIONS[self.precision][1]
 
     @property
@@ -359,7 +361,8 @@ class ElasticConfig:
                "elastic timeouts must be ordered collective_timeout_s < lease_timeout_s < "
                f"agreement_timeout_s, got {self.collective_timeout_s} < {self.lease_timeout_s} < "
                f"{self.agreement_timeout_s}")
-        _check(3 * self.heartbeat_interval_s <= self.rollcall_window_s * (1 + 1e-9) <= self.lease_timeout_s * (1 + 1e-9),
+        _check(3 * self.heartbeat_interval_s <= self.rollcall_window_s * (1 + 1e-9)
+               <= self.lease_timeout_s * (1 + 1e-9),
                f"elastic.rollcall_window_s ({self.rollcall_window_s}) must be at least 3 heartbeats "
                f"(3 x {self.heartbeat_interval_s}) so a live node is never taken for dead, and at most "
                f"elastic.lease_timeout_s ({self.lease_timeout_s})")

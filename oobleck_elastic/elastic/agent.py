@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 
+from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import PContext
 
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
@@ -35,10 +38,24 @@ class OobleckAgent(LocalElasticAgent):
 
     _stop_requested = False
 
+    def __init__(self, *args, start_processes: Callable[..., PContext] | None = None, **kwargs) -> None:
+        """`start_processes`: what starts the workers in place of torch's function of that name
+        (the same arguments, a PContext back): the launcher forks them (launcher/forked_workers.py)."""
+        super().__init__(*args, **kwargs)
+        self._start_processes = start_processes
+
     def _start_workers(self, worker_group):
         handler = worker_group.spec.rdzv_handler
         assert isinstance(handler, OobleckRendezvousHandler), "the oobleck agent needs the oobleck rendezvous"
-        assigned = super()._start_workers(worker_group)
+        if self._start_processes is None:
+            assigned = super()._start_workers(worker_group)
+        else:  # torch's method calls its module's start_processes: ours stands in for that call
+            torchs = local_elastic_agent.start_processes
+            local_elastic_agent.start_processes = self._start_processes
+            try:
+                assigned = super()._start_workers(worker_group)
+            finally:
+                local_elastic_agent.start_processes = torchs
         # torch registers its own handler when it starts the workers (PContext.start): ours replaces it
         signal.signal(signal.SIGTERM, lambda signum, frame: self._on_sigterm(handler))
         return assigned

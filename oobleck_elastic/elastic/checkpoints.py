@@ -6,8 +6,8 @@ files themselves are runtime/checkpoint.py's (Note: [checkpoint manifest])."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import logging
+from dataclasses import dataclass
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import Protocol

@@ -192,7 +192,10 @@ class Controller:
             return self._to(State.DONE, Exit("fenced"))
         if state is State.JOINING:
             if isinstance(event, Started):
-                return self._to(State.BUILDING, Build(event.record)) if event.member else Join()
+                if not event.member:
+                    return Join()
+                assert event.record is not None, "a member starts with the first generation's record"
+                return self._to(State.BUILDING, Build(event.record))
             if isinstance(event, Admitted):
                 return self._to(State.BUILDING, Build(event.record))
             if isinstance(event, RunOver):

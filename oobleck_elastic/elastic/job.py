@@ -17,8 +17,8 @@ from oobleck_elastic.planning import ModelProfile, TemplateSet, plan_templates
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
 from oobleck_elastic.runtime.checkpoint import plain
-from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.devices import resolve_device
+from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint
 from oobleck_elastic.runtime.profiler import load_or_profile
 
 __all__ = ["WorkerIdentity", "content_digest", "job_description", "measure", "plan_run", "templates"]
@@ -117,7 +117,8 @@ def templates(profile: ModelProfile, cfg: JobConfig, nodes: int, workers_per_nod
                           virtual_stages=cfg.train.stages_per_worker)
 
 
-def plan_run(protocol: Protocol, who: WorkerIdentity, first_nodes: Sequence[int], model: ModelSpec, cfg: JobConfig) -> TemplateSet:
+def plan_run(protocol: Protocol, who: WorkerIdentity, first_nodes: Sequence[int], model: ModelSpec,
+             cfg: JobConfig) -> TemplateSet:
     """The run's pipeline templates, planned for the first generation's node count from the
     profile the first node's first worker measures and publishes."""
     if who.node == min(first_nodes) and who.local_rank == 0:

@@ -67,7 +67,7 @@ class GenerationRecord:
     start step and ends the run (Note: [stop on request] in elastic/agent.py), joiners too."""
 
     @classmethod
-    def next(cls, generation: int, layout: NextLayout, cause: str) -> GenerationRecord:
+    def next(cls, generation: int, layout: NextLayout, cause: str | None) -> GenerationRecord:
         inst = layout.instantiation
         return cls(generation=generation, nodes=inst.nodes, start_step=layout.start_step, base=layout.base,
                    instantiation=inst, restored_from=layout.restored_from, cause=cause, lost=layout.lost,
@@ -128,7 +128,7 @@ class GenerationRecord:
     def check(self, templates: TemplateSet, *, global_batch: int, microbatch: int, steps: int) -> GenerationRecord:
         """Itself, once its layout is one this job could have planned; else RecordError."""
         try:
-            if not self.planned:
+            if self.instantiation is None:
                 raise ValueError("it has no instantiation")
             if not 0 <= self.start_step <= steps:
                 raise ValueError(f"start step {self.start_step} is outside the run's 0..{steps}")

@@ -4,10 +4,11 @@ heartbeat lease, and tell their workers where the run lives.
 Membership is ours, not torch's: the handler admits nodes into the live membership itself and
 reports no waiting nodes, so torch's agent never restarts healthy workers because of a
 membership change (its agent restarts workers only when one of them exits or nodes wait).
-torch's own per-agent bookkeeping (rank assignment, the exit barrier) gets a private store prefix per node and a world of one, so no agent ever
-waits for another one, dead or alive. Workers find the run through `OOBLECK_STORE`,
-`OOBLECK_RUN_ID` and `OOBLECK_NODE_ID`, set here in the agent's environment, which torch
-copies into every worker it starts; that makes stock torchrun and our launcher alike:
+torch's own per-agent bookkeeping (rank assignment, the exit barrier) gets a private store
+prefix per node and a world of one, so no agent ever waits for another one, dead or alive.
+Workers find the run through `OOBLECK_STORE`, `OOBLECK_RUN_ID` and `OOBLECK_NODE_ID`, set here
+in the agent's environment, which torch copies into every worker it starts; that makes stock
+torchrun and our launcher alike:
 
     torchrun --rdzv-backend=oobleck --rdzv-endpoint=HOST:29400 --nnodes=4 ... train.py
     torchrun --rdzv-backend=oobleck --rdzv-endpoint=ETCD:2379 --rdzv-conf=store=etcd ...
@@ -105,6 +106,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             # the others): the run has lost them. Say so at once, so the survivors need not
             # wait for a lease, and come back as a new node that joins like any other.
             self.protocol.mark_dead(self.node, "its agent restarted its workers")
+            assert self._heartbeat is not None, "a registered node beats"
             self._heartbeat.stop()
             self.log.warning("workers restarted: rejoining the run as a new node")
         self.node = self.protocol.register({"host": socket.gethostname(), "pid": os.getpid(),
@@ -168,6 +170,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         # An agent that stops before the run is done takes its node out of it.
         if self.node is None:
             return True
+        assert self._heartbeat is not None, "a registered node beats"
         self._heartbeat.stop()
         if isinstance(self.store, EmbeddedStore) and not self.hosting:
             self.store.set_timeout(10.0)  # leaving is best effort: never block for long
@@ -241,8 +244,8 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
     agent on the endpoint's machine hosts a TCPStore there) or `etcd` (a v2 etcd server)."""
     kind = store_kind(params.config)
     default_port = 2379 if kind == "etcd" else 29400
-    host, _, port = (params.endpoint or f"127.0.0.1:{default_port}").rpartition(":")
-    host, port = host or "127.0.0.1", int(port or default_port)
+    host, _, given_port = (params.endpoint or f"127.0.0.1:{default_port}").rpartition(":")
+    host, port = host or "127.0.0.1", int(given_port or default_port)
     if kind == "etcd":
         from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
 

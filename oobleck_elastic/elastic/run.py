@@ -60,23 +60,49 @@ import gc
 import logging
 import time
 import traceback
+from typing import cast
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.controller import (
-    Admitted, Build, BuildFailed, Built, Controller, EvalDone, Evaluate, Exit, FencedOut, Finish, Finished, Grow, Join,
-    Proposed, Recover, RunOver, Started, StepDone, StepFailed, Train,
+    Admitted,
+    Build,
+    BuildFailed,
+    Built,
+    Controller,
+    EvalDone,
+    Evaluate,
+    Exit,
+    FencedOut,
+    Finish,
+    Finished,
+    Grow,
+    Join,
+    Proposed,
+    Recover,
+    RunOver,
+    Started,
+    StepDone,
+    StepFailed,
+    Train,
 )
 from oobleck_elastic.elastic.job import WorkerIdentity, job_description, plan_run
 from oobleck_elastic.elastic.logs import Prefixed, worker_prefix
 from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted, WaitTimeout
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
-from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.elastic.store import MembershipStore
 from oobleck_elastic.errors import OobleckError, RunFailed
-from oobleck_elastic.planning import WorkerRef, instantiate, layer_holders
+from oobleck_elastic.monitoring.run_report import RunReport
+from oobleck_elastic.planning import Instantiation, TemplateSet, WorkerRef, instantiate, layer_holders
+from oobleck_elastic.planning.recovery import (
+    Base,
+    NextLayout,
+    NoCheckpointError,
+    is_replay,
+    plan_next,
+    transfers_between,
+)
 from oobleck_elastic.runtime.checkpoint import CheckpointUnreadable
-from oobleck_elastic.planning.recovery import Base, NextLayout, NoCheckpointError, is_replay, plan_next, transfers_between
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.trainer import Dataset, Trainer
@@ -99,6 +125,12 @@ def _cause(exc: BaseException, during: str = "") -> tuple[str, str]:
     return line, "".join(traceback.format_exception(exc))
 
 
+def _layout(record: GenerationRecord) -> Instantiation:
+    """A checked record's instantiation (check() refuses the rendezvous's bare record)."""
+    assert record.instantiation is not None, f"generation {record.generation}'s record has no layout"
+    return record.instantiation
+
+
 class Run:
     """One worker's run across generations."""
 
@@ -113,9 +145,10 @@ class Run:
         self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
                                fault=fault, eval_dataset=eval_dataset)
         self.checkpoints = RunCheckpoints(model, cfg, who.run_id, len(dataset),
-                                          worker_prefix(who.run_id, None, who.node, who.local_rank), self.protocol, fault)
+                                          worker_prefix(who.run_id, None, who.node, who.local_rank),
+                                          self.protocol, fault)
         self.report: RunReport | None = None
-        self.templates = None
+        self.templates: TemplateSet | None = None  # planned in start()
         self.plan: GenerationPlan | None = None
         self.records: dict[int, GenerationRecord] = {}
         self.last_transfers: list = []
@@ -176,6 +209,7 @@ class Run:
             at_barrier = True
             # rank 0's verdict rides on the barrier: a live rank 0 that cannot record the end
             # would otherwise leave the others in it until the roll call's timeout
+            assert self.trainer.generation is not None, "the run ends in a built generation"
             if not self.trainer.generation.barrier(recorded):
                 at_barrier = False
                 raise CheckpointMissing(f"the checkpoint of step {self.trainer.completed_steps} was not published: "
@@ -199,9 +233,11 @@ class Run:
         done = self.trainer.completed_steps
         if not self.checkpoints.published(done):
             return False
+        assert self.report is not None, "rank 0 reports"
         if stopped:
             self.report.stopped(done, self.cfg.checkpoint.dir)
         else:
+            assert self.summaries is not None, "taken before the end is recorded"
             self.report.final(done, *self.summaries)
         return True
 
@@ -211,6 +247,7 @@ class Run:
         `done` as long as rank 0's node lives and nobody began a recovery (rank 0, failed
         before it could record the end, say), at most elastic.agreement_timeout_s; otherwise
         the survivors recover (Note: [the end is recorded before anyone leaves])."""
+        assert self.plan is not None, "the run ends in a built generation"
         node = self.plan.members[0].node  # global rank 0's
         generation, step = self.plan.generation, self.trainer.completed_steps
 
@@ -256,6 +293,7 @@ class Run:
     def _first_record(self, pointer: GenerationRecord) -> GenerationRecord:
         """Generation 0: its instantiation, and the checkpoint it resumes from (checkpoint.resume)."""
         train = self.cfg.train
+        assert self.templates is not None, "planned in start()"
         inst = instantiate(self.templates, pointer.nodes, train.global_batch_size, train.microbatch_size)
         resumed = self.checkpoints.resume()
         layout = NextLayout(instantiation=inst, start_step=resumed.step if resumed else 0, base=None,
@@ -283,7 +321,9 @@ class Run:
                 if planned is not None:
                     return self._take_over(planned)  # Note: [orphaned run]
             return None
-        outcome = self.protocol.wait(f"node {self.me.node} to be admitted (elastic.join_timeout_s)", admitted, timeout)
+        # cast: mypy solves wait()'s T for a check returning a union as object
+        outcome = cast("GenerationRecord | RunOver", self.protocol.wait(
+            f"node {self.me.node} to be admitted (elastic.join_timeout_s)", admitted, timeout))
         if isinstance(outcome, RunOver):
             self.log.warning("the run finished before this node was admitted")
             return outcome
@@ -295,6 +335,7 @@ class Run:
         """Every member of the newest generation is dead (Note: [orphaned run]): the ready
         joiners propose the next generation themselves, restoring the newest checkpoint on them;
         the record that won if it has this node, else None (it keeps waiting)."""
+        assert self.templates is not None, "planned in start()"
         ready = self.protocol.ready_joiners((), self.max_nodes)
         if len(ready) < self.templates.min_nodes or self.me.node not in ready:
             return None  # too few to train yet: more may get ready within elastic.join_timeout_s
@@ -324,6 +365,7 @@ class Run:
         worker proposed: a restore record is restored from the checkpoint, any other is built
         from its base with the transfers every member derives alike. A worker left out, or at
         another step than the record, is fenced."""
+        assert self.templates is not None, "planned in start()"
         train = self.cfg.train
         record = record.check(self.templates, global_batch=train.global_batch_size,
                               microbatch=train.microbatch_size, steps=train.steps)
@@ -345,12 +387,13 @@ class Run:
             base = self._record(record.base).instantiation if record.base is not None else None
             if base is not None:  # what this worker held in the base: drops partial copies of a failed build
                 self.trainer.layers.keep_only(layer_holders(base, self.templates).get(self.me, ()))
-            transfers = transfers_between(self.templates, base, record.instantiation)
+            transfers = transfers_between(self.templates, base, _layout(record))
         self.last_transfers = transfers
         return self._enter(record, transfers, restore_from, timeout_factor)
 
     def _record(self, generation: int) -> GenerationRecord:
         if generation not in self.records:
+            assert self.templates is not None, "planned in start()"
             train = self.cfg.train
             self.records[generation] = self.protocol.record(generation).check(
                 self.templates, global_batch=train.global_batch_size, microbatch=train.microbatch_size,
@@ -360,8 +403,9 @@ class Run:
     def _enter(self, record: GenerationRecord, transfers, restore_from: str | None, timeout_factor: int) -> object:
         """Builds a generation and waits until every member has; whatever fails meanwhile, but an
         OobleckError, is a failed build (Note: [failed build])."""
+        assert self.templates is not None, "planned in start()"
         plan = GenerationPlan(generation=record.generation, start_step=record.start_step,
-                              workers_per_node=self.who.local_world_size, instantiation=record.instantiation,
+                              workers_per_node=self.who.local_world_size, instantiation=_layout(record),
                               templates=self.templates)
         self.plan = plan
         if self.fault and self.fault.step < 0:  # before any step: faults of the build count from the first
@@ -371,6 +415,7 @@ class Run:
         # gets through (Note: [roll call] in elastic/protocol.py).
         self.trainer.set_timeout(self.cfg.elastic.collective_timeout_s * timeout_factor)
         started = time.perf_counter()
+        cause: str | None  # why the build failed; None: it did not
         try:
             if restore_from is not None:
                 self.checkpoints.check_restorable(plan.start_step)
@@ -398,6 +443,7 @@ class Run:
 
     def _report_generation(self, record: GenerationRecord) -> None:
         plan = self.plan
+        assert plan is not None and self.templates is not None, "called once the generation is built"
         if self.report and plan.rank_of(self.me) != 0:  # a node that joined ranks first now: it reports
             self.report.flush_recovery()
             self.report.close()
@@ -419,6 +465,7 @@ class Run:
 
     def step(self) -> StepDone:
         plan = self.plan
+        assert plan is not None, "steps run in a built generation"
         if self.fault:
             self.fault.step = self.trainer.completed_steps
         computed = self.trainer.compute()
@@ -448,6 +495,7 @@ class Run:
         return StepDone(computed.stats.step, decision.join, decision.stop)
 
     def save_checkpoint(self, final: bool = False) -> None:
+        assert self.plan is not None, "checkpoints are saved in a built generation"
         self.checkpoints.save(self.plan, self.plan.rank_of(self.me), self.trainer.layers,
                               self.trainer.completed_steps, final)
 
@@ -457,7 +505,8 @@ class Run:
         done = self.trainer.completed_steps
         if self.fault:
             self.fault("eval", step=done)
-        loss_sum = tokens = 0
+        loss_sum: float = 0
+        tokens = 0
         started = time.perf_counter()
         for batch in range(self.cfg.eval.steps):
             loss, count = self.trainer.evaluate(batch)
@@ -476,6 +525,7 @@ class Run:
         started = time.perf_counter()
         self.failed_at = None
         old, step = self.plan, self.trainer.completed_steps
+        assert old is not None, "nodes join a built generation"
         self.trainer.close()
         if self.fault:
             self.fault("grow")
@@ -494,6 +544,7 @@ class Run:
         """Tears the failed generation down, aborts its step, takes the roll call and proposes
         the next generation (Note: [roll call]); adopting the record that won is the next action."""
         t0 = time.perf_counter()
+        assert self.plan is not None and self.templates is not None, "a generation failed, so one was built"
         if self.change is None:
             self.change = (self.plan.generation, {}, t0)
             if self.report:
@@ -512,7 +563,7 @@ class Run:
         failed = self.records[old.generation]
         complete = self.protocol.complete(old.generation, len(old.members))
         base_g = old.generation if complete else failed.base
-        base = Base(base_g, self._record(base_g).instantiation) if base_g is not None else None
+        base = Base(base_g, _layout(self._record(base_g))) if base_g is not None else None
         if self.me.node not in alive:  # taken for dead while it hung, or behind the others
             raise Fenced(f"node {self.me.node} fenced: it is not among the nodes that answered the roll call "
                          f"of generation {old.generation}")
@@ -530,6 +581,7 @@ class Run:
         ready joiners, replacements say, to make up the difference, and returns them (they are
         in the next generation like any node that joins). The chaos run found a single survivor
         crashing the run where a replacement was already waiting."""
+        assert self.templates is not None, "planned in start()"
         need = self.templates.min_nodes
         self.log.warning("only %d node(s) left and the smallest pipeline needs %d: waiting up to %.0f s for "
                          "nodes to join (elastic.join_timeout_s)", len(alive), need, self.cfg.elastic.join_timeout_s)
@@ -552,6 +604,7 @@ class Run:
     def _propose(self, old: GenerationPlan, base: Base | None, alive: list[int], dead: list[int], step: int,
                  cause: str, fresh: bool = False) -> GenerationRecord:
         """Plans the next generation (planning/recovery.py) and proposes it; the record that won."""
+        assert self.templates is not None, "planned in start()"
         train = self.cfg.train
         try:
             layout = plan_next(self.templates, base, alive=alive, dead=dead, step=step, fresh=fresh,
@@ -568,6 +621,7 @@ class Run:
 
     def _report_change(self) -> None:
         """Hands the reporter the change from the generation before it to the current one."""
+        assert self.change is not None and self.plan is not None, "called after a change's generation is built"
         first_generation, phases, started = self.change
         self.change = None
         if not self.report:

@@ -79,6 +79,9 @@ class MembershipStore(abc.ABC):
     """Run-scoped JSON key-value store with counters and blocking waits."""
 
     run_id: str
+    host: str
+    port: int
+    """The server's address (the port it listens on, once it is hosted)."""
     poll_s: float = 0.002
     """Pause between two reads of a key someone else will write: what a request costs the server
     (a local TCPStore answers in microseconds; etcd writes each request through Raft)."""

@@ -14,16 +14,16 @@ import torch.distributed as dist
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.controller import MAX_REPLAYS_WITHOUT_LOSS
-from oobleck_elastic.testing.faults import FaultInjector
+from oobleck_elastic.elastic.job import WorkerIdentity
 from oobleck_elastic.elastic.process import check_lease, stop_or_die, watch_parent
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.records import GenerationRecord
-from oobleck_elastic.elastic.job import WorkerIdentity
 from oobleck_elastic.elastic.run import Run
 from oobleck_elastic.elastic.store import StoreUnreachable, connect_store, host_store
 from oobleck_elastic.errors import ConfigError, OobleckError, RunFailed
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.trainer import Dataset
+from oobleck_elastic.testing.faults import FaultInjector
 
 __all__ = ["MAX_REPLAYS_WITHOUT_LOSS", "run_worker", "worker_from_environ"]
 

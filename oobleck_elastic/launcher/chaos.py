@@ -10,7 +10,8 @@ hit), each on members of the current generation:
                       the checkpoint fallback where no replica is left)
     hang              one node SIGSTOPped past its lease, then woken: it must fence itself
 A replacement node is started after each loss, injected or not (a node fenced after being
-taken for dead leaves on its own), so the job keeps its size and joins are exercised too. The schedule never leaves fewer than `min_alive` members.
+taken for dead leaves on its own), so the job keeps its size and joins are exercised too. The
+schedule never leaves fewer than `min_alive` members.
 """
 
 from __future__ import annotations

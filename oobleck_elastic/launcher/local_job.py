@@ -16,16 +16,16 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 import psutil
-from collections.abc import Callable
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import StoreUnreachable
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.node import with_job_settings
-from oobleck_elastic.launcher.zygote import ForkedNode, Zygote
+from oobleck_elastic.launcher.zygote import WORKER_MODULES, ForkedProcess, Zygote
 from oobleck_elastic.runtime.checkpoint import read_manifest
 
 __all__ = ["LocalNodes", "run_local_job", "node_command"]
@@ -54,7 +54,7 @@ def _recovery_line(rec: dict) -> str:
             f"({rec['bytes_moved'] / 2**20:.1f} MiB); " + "; ".join(rec["actions"]))
 
 
-def _mark_dead_nodes(protocol: Protocol, procs: list[ForkedNode], dead: set[int]) -> None:
+def _mark_dead_nodes(protocol: Protocol, procs: list[ForkedProcess], dead: set[int]) -> None:
     """A node whose agent process exited before the run is done is dead: say so in the store
     at once (faster than its lease expiring)."""
     if protocol.finished():
@@ -135,7 +135,7 @@ def node_command(args: argparse.Namespace, cfg: JobConfig | None, endpoint: str,
     return [*NODE_PROGRAM, "--oobleck-node", f"--nnodes={nodes}:{most}",
             f"--nproc-per-node={args.nproc_per_node}", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-conf={with_job_settings(args.rdzv_conf, cfg)}", f"--rdzv-id={run_id}",
-            f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1",
+            f"--max-restarts={args.max_restarts}", "--monitor-interval=0.1", f"--start-method={args.start_method}",
             *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
 
 
@@ -167,16 +167,20 @@ class LocalNodes:
         self.command, self.log_dir, self.verbose, self.protocol = command, log_dir, verbose, protocol
         self.workers_per_node = workers_per_node
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self.procs: list[ForkedNode] = []
+        self.procs: list[ForkedProcess] = []
         self.gpus: dict[int, list[int]] = {}  # node k -> the GPUs it was given
-        self.zygote = Zygote(self.env, run_id, module=NODE_PROGRAM[2])
+        # the starter's environment names the run: /proc/PID/environ of every process forked from
+        # it (nodes, their workers) shows the starter's, so tools find the run's processes by it
+        self.zygote = Zygote.spawn({**self.env, "OOBLECK_RUN_ID": run_id}, run_id,
+                                   [NODE_PROGRAM[2], *WORKER_MODULES])
 
     def start(self) -> int:
         """Starts one more node (its own session, so it can be killed as a unit); its k. The
         node is forked by the zygote (launcher/zygote.py), which has imported torch already."""
         k = len(self.procs)
         log = None if self.verbose else os.path.join(self.log_dir, f"node{k}.log")
-        self.procs.append(self.zygote.start(self.command[len(NODE_PROGRAM):], self._node_env(k), log))
+        self.procs.append(self.zygote.start(["--main", NODE_PROGRAM[2], *self.command[len(NODE_PROGRAM):]],
+                                            self._node_env(k), log, log))
         return k
 
     def close(self) -> None:

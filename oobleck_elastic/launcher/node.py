@@ -18,6 +18,8 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args
 
 from oobleck_elastic.config import JobConfig
+from oobleck_elastic.launcher.forked_workers import forks, starting_through
+from oobleck_elastic.launcher.zygote import WORKER_MODULES, Zygote
 
 __all__ = ["run_node", "rendezvous_parameters", "with_job_settings"]
 
@@ -45,21 +47,34 @@ def rendezvous_parameters(args: argparse.Namespace
 
 def run_node(args: argparse.Namespace, cfg: JobConfig | None = None) -> int:
     """One node: the oobleck agent with the oobleck rendezvous (what torchrun would run);
-    `cfg`, the job's configuration when the launcher read it, adds its rendezvous settings."""
+    `cfg`, the job's configuration when the launcher read it, adds its rendezvous settings.
+    With `--start-method fork` (the launcher's default) the workers of a Python program are
+    forked by a starter that has imported their modules (launcher/forked_workers.py)."""
+    args.rdzv_conf = with_job_settings(args.rdzv_conf, cfg)
+    config, cmd, cmd_args, params = rendezvous_parameters(args)
+    # before anything starts a thread (the rendezvous does): the starter is forked from this process
+    starter = Zygote.fork(list(WORKER_MODULES)) if forks(config.start_method, cmd) else None
+    try:
+        return _run_agent(config, cmd, cmd_args, params, starter)
+    finally:
+        if starter is not None:
+            starter.close()
+
+
+def _run_agent(config: LaunchConfig, cmd: Callable | str, cmd_args: list[str], params: RendezvousParameters,
+               starter: Zygote | None) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
 
     from oobleck_elastic.elastic.agent import OobleckAgent
     from oobleck_elastic.elastic.rendezvous import create_handler
 
-    args.rdzv_conf = with_job_settings(args.rdzv_conf, cfg)
-    config, cmd, cmd_args, params = rendezvous_parameters(args)
     handler = create_handler(params)
     spec = WorkerSpec(role="trainer", local_world_size=config.nproc_per_node, entrypoint=cmd,
                       args=tuple(cmd_args), rdzv_handler=handler, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, master_addr=handler.store.host,
                       master_port=handler.store.port)
-    agent = OobleckAgent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
-                         exit_barrier_timeout=60)
+    agent = OobleckAgent(spec=spec, logs_specs=config.logs_specs, start_method="spawn", exit_barrier_timeout=60,
+                         start_processes=None if starter is None else starting_through(starter))
     try:
         result = agent.run()
     finally:

@@ -1,49 +1,71 @@
-"""The local job's node starter: one process that imports the node agent's modules once (torch
-among them, ~2 s of CPU) and forks each node of `--oobleck-local-nodes` from itself, so N local
-nodes cost one import, not N. Each node is still a process of its own, in a session of its own
-(killed as a unit, as before), with its own environment and log; its workers are started by its
-agent as on any machine (exec, not fork).
+"""Processes started by fork from a process that has imported what they need (torch and this
+package: ~2.5 s of CPU per interpreter), so N of them cost one import, not N. Two starters:
 
-The launcher talks to it over a socket (one JSON object per line):
+- the local job's node starter (`Zygote.spawn`): a process of its own that the launcher execs
+  once; it imports the node agent's and the workers' modules and forks each node of
+  `--oobleck-local-nodes` from itself, in a session of its own (killed as a unit, as before);
+- a node's worker starter (`Zygote.fork`, `--start-method fork`, the launcher's default): forked
+  from the node process itself before the node starts any thread; it forks the node's workers
+  for the agent (launcher/forked_workers.py). Each worker is in a session of its own, as torch
+  starts them, and dies with its starter, which dies with its agent (PR_SET_PDEATHSIG).
 
-    launcher -> zygote   {"module": M, "argv": [...], "env": {...}, "log": PATH or null}
-    zygote -> launcher   {"started": PID}                   in the order asked
-                         {"exited": PID, "returncode": RC}  RC < 0: killed by signal -RC
+What a child runs is a Python command line (`[-u] SCRIPT ARGS`, `[-u] -m MODULE ARGS`, or a
+module's `main(argv)`), run in the child as `python` would run it: `sys.argv`, `sys.path[0]`,
+`__main__`, its exit status. Its environment is the one asked for; note that /proc/PID/environ
+shows the starter's (it is fixed at exec), so a forked worker names itself in /proc/PID/comm
+(elastic/process.py `worker_name`) for the tools that look for it.
 
-It forks nothing before it has imported everything and starts no thread, so a child inherits
-no lock held by another thread (Note: [forking after torch]). It exits when the launcher closes
-the socket (at the end of the job, once every node has exited, or when the launcher dies).
+The two ends talk over a socket, one JSON object per line:
+
+    owner -> starter   {"python": [...], "env": {...}, "stdout": PATH or null, "stderr": PATH or null,
+                        "name": COMM or null, "die_with_starter": BOOL}
+    starter -> owner   {"started": PID}                   in the order asked
+                       {"exited": PID, "returncode": RC}  RC < 0: killed by signal -RC
+
+A starter forks nothing before it has imported everything and starts no thread, so a child
+inherits no lock held by another thread (Note: [forking after torch]). It exits when its owner
+closes the socket (at the end of the job or the node, or when the owner dies).
 
 Note: [forking after torch]
-    `import torch` starts no thread and touches no device; the OpenMP pool and CUDA start on
-    first use, which happens in the workers (exec'd by the agent), never here. Python's
-    `random` state is reseeded in each child so no two nodes draw the same numbers.
+    `import torch` starts no Python thread and touches no device; the OpenMP pool and CUDA start
+    on first use, which happens in the workers, never in a starter. Python's `random` state is
+    reseeded in each child so no two processes draw the same numbers.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import importlib
 import json
 import os
 import random
+import runpy
 import selectors
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
+import warnings
 
-__all__ = ["ForkedNode", "Zygote", "main"]
+__all__ = ["ForkedProcess", "WORKER_MODULES", "Zygote", "main"]
 
-START_TIMEOUT_S = 120.0  # the first node waits for the zygote's imports
+START_TIMEOUT_S = 120.0  # the first child waits for the starter's imports
+# what a training worker imports besides the user's script: imported by a starter once
+WORKER_MODULES = ("torch.distributed.pipelining", "oobleck_elastic.elastic.worker", "oobleck_elastic.models",
+                  "oobleck_elastic.data")
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # linux/prctl.h
 
 
-class ForkedNode:
-    """A node the zygote forked: what the launcher uses of a Popen (pid, poll, wait, returncode)."""
+class ForkedProcess:
+    """A process a starter forked: what its owner uses of a Popen (pid, poll, wait, returncode)."""
 
     def __init__(self, pid: int, zygote: Zygote) -> None:
-        self.pid, self.returncode, self._zygote = pid, None, zygote
+        self.pid, self._zygote = pid, zygote
+        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         self._zygote.pump()
@@ -53,8 +75,9 @@ class ForkedNode:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"node {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout or 0.0)
             self._zygote.pump(wait=0.05)
+        assert self.returncode is not None
         return self.returncode
 
 
@@ -62,43 +85,77 @@ _ENTRY = "import sys; from oobleck_elastic.launcher.zygote import main; sys.exit
 
 
 class Zygote:
-    """The launcher's end: starts the zygote process (its command line names the job, as the
-    nodes' did) and forks nodes through it."""
+    """The owner's end of a starter: forks processes through it."""
 
-    def __init__(self, env: dict[str, str], run_id: str, module: str) -> None:
+    def __init__(self, channel: socket.socket, pid: int, proc: subprocess.Popen | None = None) -> None:
+        self.channel, self.pid, self.proc = channel, pid, proc
+        self.children: dict[int, ForkedProcess] = {}
+        self._buffer, self._gone = b"", False
+        self._started: list[int] = []
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(channel, selectors.EVENT_READ)
+
+    @classmethod
+    def spawn(cls, env: dict[str, str], run_id: str, modules: list[str]) -> Zygote:
+        """A starter in a process of its own (its command line names the job, as the nodes' did),
+        importing `modules` before it forks anything."""
         ours, theirs = socket.socketpair()
-        self.module = module
         # -c, not -m: the package (imported first by -m) already imports this module, and runpy
         # would warn on every job that it runs a second copy of it as __main__
-        self.proc = subprocess.Popen([sys.executable, "-c", _ENTRY, f"--rdzv-id={run_id}", module, str(theirs.fileno())],
-                                     env=env, pass_fds=(theirs.fileno(),), start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", _ENTRY, f"--rdzv-id={run_id}", ",".join(modules),
+                                 str(theirs.fileno())], env=env, pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
-        self.channel, self.nodes, self._buffer, self._started = ours, {}, b"", []
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(ours, selectors.EVENT_READ)
-        self._gone = False
+        return cls(ours, proc.pid, proc)
 
-    def start(self, argv: list[str], env: dict[str, str], log: str | None) -> ForkedNode:
-        """Forks one node running `python -m MODULE ARGV` (MODULE.main(ARGV)) with `env`, its
-        output to `log` (None: the launcher's own stdout and stderr)."""
-        request = {"module": self.module, "argv": argv, "env": env, "log": log}
+    @classmethod
+    def fork(cls, modules: list[str]) -> Zygote:
+        """A starter forked from this process, which must have no other thread; it imports
+        `modules` (nothing, where this process has them already) and dies with this process."""
+        if threading.active_count() > 1:
+            raise RuntimeError(f"a worker starter must be forked before any thread starts; running: "
+                               f"{[t.name for t in threading.enumerate()]}")
+        ours, theirs = socket.socketpair()
+        owner = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the starter
+            code = 1
+            try:
+                ours.close()
+                _die_with(owner)
+                _set_name("oobleck-starter")
+                code = serve(theirs, modules)
+            except BaseException:  # noqa: BLE001 - its last word goes to the node's log
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        theirs.close()
+        return cls(ours, pid)
+
+    def start(self, python: list[str], env: dict[str, str], stdout: str | None = None, stderr: str | None = None,
+              name: str | None = None, die_with_starter: bool = False) -> ForkedProcess:
+        """Forks one process running `python PYTHON` with `env`, its output to `stdout` and
+        `stderr` (None: the starter's own)."""
+        request = {"python": python, "env": env, "stdout": stdout, "stderr": stderr, "name": name,
+                   "die_with_starter": die_with_starter}
         self.channel.sendall((json.dumps(request) + "\n").encode())
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._started:
             if self._gone or time.monotonic() > deadline:
-                raise RuntimeError(f"the node starter (pid {self.proc.pid}) did not start a node within "
-                                   f"{START_TIMEOUT_S:.0f} s (exit status {self.proc.poll()})")
+                raise RuntimeError(f"the process starter (pid {self.pid}) did not start a process within "
+                                   f"{START_TIMEOUT_S:.0f} s (alive: {_alive(self.pid)})")
             self.pump(wait=0.05)
-        node = ForkedNode(self._started.pop(0), self)
-        self.nodes[node.pid] = node
-        return node
+        child = ForkedProcess(self._started.pop(0), self)
+        self.children[child.pid] = child
+        return child
 
     def pump(self, wait: float = 0.0) -> None:
-        """Reads what the zygote said: started nodes, exited nodes."""
+        """Reads what the starter said: started processes, exited processes."""
         while not self._gone and self._selector.select(timeout=wait):
             wait = 0.0
             data = self.channel.recv(65536)
-            if not data:  # the zygote died: its nodes were reparented, their status is lost
+            if not data:  # the starter died: its children were reparented, their status is lost
                 self._gone = True
                 break
             self._buffer += data
@@ -107,22 +164,34 @@ class Zygote:
                 message = json.loads(line)
                 if "started" in message:
                     self._started.append(message["started"])
-                elif message.get("exited") in self.nodes:
-                    self.nodes[message["exited"]].returncode = message["returncode"]
-        if self._gone:  # a node no longer alive counts as failed
-            for node in self.nodes.values():
-                if node.returncode is None and not _alive(node.pid):
-                    node.returncode = 1
+                elif message.get("exited") in self.children:
+                    self.children[message["exited"]].returncode = message["returncode"]
+        if self._gone:  # a child no longer alive counts as failed
+            for child in self.children.values():
+                if child.returncode is None and not _alive(child.pid):
+                    child.returncode = 1
 
     def close(self) -> None:
-        """Ends the zygote (its nodes are not touched)."""
+        """Ends the starter (children that do not die with it live on)."""
         self._selector.close()
         self.channel.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(self.pid, os.WNOHANG)[0]:
+                    return
+            except ChildProcessError:
+                return
+            time.sleep(0.01)
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
 
 
 def _alive(pid: int) -> bool:
@@ -135,37 +204,94 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _child(request: dict, channel: socket.socket) -> None:
-    """Becomes the node of `request` and never returns."""
-    code = 1
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with(parent: int) -> None:
+    """The kernel kills this process when `parent` (the thread that forked it) ends."""
+    if sys.platform.startswith("linux"):
+        _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it ended before the request took effect
+        os._exit(1)
+
+
+def _set_name(name: str) -> None:
+    if sys.platform.startswith("linux"):
+        _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+def _redirect(stdout: str | None, stderr: str | None) -> None:
+    opened: dict[str, int] = {}
+    for fd, path in ((1, stdout), (2, stderr)):
+        if path:
+            if path not in opened:
+                opened[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened[path], fd)
+    for fd in opened.values():
+        os.close(fd)
+
+
+def _run_python(args: list[str]) -> None:
+    """Runs a `python` command line's program in this process: [-u] (-m MODULE | SCRIPT) ARGS."""
+    if args and args[0] == "-u":
+        args = args[1:]
+        sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
+        sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
+    if len(args) >= 2 and args[0] == "--main":  # a module's main(argv), its return value the status
+        sys.argv = [args[1], *args[2:]]
+        raise SystemExit(importlib.import_module(args[1]).main(args[2:]))
+    if len(args) >= 2 and args[0] == "-m":
+        sys.argv, sys.path[0] = [args[1], *args[2:]], os.getcwd()
+        # the starter may have imported the package of MODULE: that is what it is for
+        warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                                category=RuntimeWarning)
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        return
+    if not args or args[0].startswith("-"):
+        raise SystemExit(f"a forked process runs `[-u] SCRIPT ARGS` or `[-u] -m MODULE ARGS`, not {args}")
+    sys.argv, sys.path[0] = list(args), os.path.dirname(os.path.abspath(args[0]))
+    runpy.run_path(args[0], run_name="__main__")
+
+
+def _child(request: dict, channel: socket.socket, starter: int) -> None:
+    """Becomes the process of `request` and never returns."""
+    code: int = 1
     try:
         channel.close()
         os.setsid()
-        if request.get("log"):
-            fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        if request.get("die_with_starter"):
+            _die_with(starter)
+        if request.get("name"):
+            _set_name(request["name"])
+        _redirect(request.get("stdout"), request.get("stderr"))
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(request["env"])
+        if request.get("die_with_starter"):  # the parent a worker watches (elastic/process.py)
+            os.environ["OOBLECK_PARENT_PID"] = str(starter)
         random.seed()
-        sys.argv = [sys.argv[0], *request["argv"]]
-        code = importlib.import_module(request["module"]).main(request["argv"])
+        _run_python(request["python"])
+        code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the node's last word goes to its log
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # as python does: the message to stderr, status 1
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the process's last word goes to its log
         traceback.print_exc()
     finally:
-        try:
-            import atexit
-
+        try:  # what python does on its way out: wait for non-daemon threads, run atexit
+            for thread in threading.enumerate():
+                if thread is not threading.main_thread() and not thread.daemon:
+                    thread.join()
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(code if isinstance(code, int) else 1)
+            os._exit(code)
 
 
 def _reap(channel: socket.socket, children: set[int]) -> None:
@@ -184,24 +310,24 @@ def _reap(channel: socket.socket, children: set[int]) -> None:
 def _send(channel: socket.socket, message: dict) -> None:
     try:
         channel.sendall((json.dumps(message) + "\n").encode())
-    except OSError:  # the launcher is gone: nobody to tell
+    except OSError:  # the owner is gone: nobody to tell
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    # argv: --rdzv-id=RUN (names the job in `ps`), MODULE (the nodes' program), the socket's fd
-    channel = socket.socket(fileno=int(argv[-1]))
-    importlib.import_module(argv[-2])  # what every node needs, imported once here
-
+def serve(channel: socket.socket, modules: list[str]) -> int:
+    """The starter's loop: imports `modules`, then forks a child per request until the owner
+    closes the socket."""
+    for module in modules:
+        importlib.import_module(module)
     children: set[int] = set()
     selector = selectors.DefaultSelector()
     selector.register(channel, selectors.EVENT_READ)
     buffer = b""
+    me = os.getpid()
     while True:
         if selector.select(timeout=0.05):
             data = channel.recv(65536)
-            if not data:  # the launcher is done or gone: its nodes live on without us (init reaps them)
+            if not data:  # the owner is done or gone; children that do not die with us live on
                 return 0
             buffer += data
             while b"\n" in buffer:
@@ -211,10 +337,17 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, channel)
+                    _child(request, channel, me)
                 children.add(pid)
                 _send(channel, {"started": pid})
         _reap(channel, children)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # argv: --rdzv-id=RUN (names the job in `ps`), the modules to import (comma-separated), the socket's fd
+    return serve(socket.socket(fileno=int(argv[-1])), [m for m in argv[-2].split(",") if m])
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,6 +24,7 @@ transformers is imported lazily: `import oobleck_elastic.models.hf` works withou
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -73,8 +74,9 @@ def _transformers() -> Any:
     return transformers
 
 
-def _container(**modules: nn.Module) -> nn.Module:
-    """An empty module holding `modules`: one step of the HF attribute path."""
+def _container(**modules: nn.Module) -> Any:
+    """An empty module holding `modules`: one step of the HF attribute path. Any: its
+    submodules are attributes added by name, which no type describes."""
     box = nn.Module()
     for name, module in modules.items():
         box.add_module(name, module)
@@ -296,8 +298,8 @@ def hf_model(directory: str, *, seq_len: int | None = None) -> ModelSpec:
                           f"(model.hf: {directory}); set data.seq_len <= {max_positions}")
     embed_cls, block_cls, head_cls = _LAYERS[arch.name]
     n = config.num_hidden_layers
-    builds = [lambda: embed_cls(config)]
-    builds += [lambda i=i: block_cls(config, i) for i in range(n)]
+    builds: list[Callable[[], nn.Module]] = [lambda: embed_cls(config)]
+    builds += [functools.partial(block_cls, config, i) for i in range(n)]
     builds.append(lambda: head_cls(config))
     with torch.device("meta"):
         names = [list(build().state_dict()) for build in builds]

@@ -55,8 +55,10 @@ def _shared_by_identity(names: Sequence[str], entries: Sequence[Entry]) -> list[
     return [tuple(group) for group in seen.values() if len({n.split(".")[0] for n in group}) > 1]
 
 
-def sequential_model(layers: nn.Sequential | Sequence[Entry], *, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                     sample_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], names: Sequence[str] | None = None,
+def sequential_model(layers: nn.Sequential | Sequence[Entry], *,
+                     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     sample_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                     names: Sequence[str] | None = None,
                      name: str = "sequential", description: Mapping[str, Any] | None = None,
                      shared: Sequence[Sequence[str]] = (), loss_count: Callable[[torch.Tensor], int] = counted_elements,
                      vocab_size: int | None = None, max_positions: int | None = None) -> ModelSpec:
@@ -68,6 +70,7 @@ def sequential_model(layers: nn.Sequential | Sequence[Entry], *, loss: Callable[
     [loss]). `shared` lists tied parameters by model name, e.g. [("0.weight", "3.weight")],
     the first canonical; an nn.Sequential's own shared parameters are found without it.
     """
+    entries: list[Entry]
     if isinstance(layers, nn.Sequential):
         names = list(layers._modules) if names is None else list(names)
         entries = list(layers._modules.values())

@@ -24,6 +24,7 @@ class MetricsSink(abc.ABC):
     def write(self, record: dict[str, Any]) -> None:
         """Records one step or event."""
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Flushes and releases files."""
 

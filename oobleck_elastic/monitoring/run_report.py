@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import OobleckError
@@ -110,13 +110,14 @@ class RunReport:
     def step(self, stats: StepRecord, plan: PlanRecord) -> None:
         self.flush_recovery(replay_s=stats.seconds)
         inst = plan.instantiation
-        rec = {"step": stats.step, "time": time.time(), "loss": stats.loss, "samples": stats.samples,
-               "samples_per_s": stats.samples / stats.seconds if stats.seconds else 0.0,
-               "step_time_s": stats.seconds, "grad_norm": stats.grad_norm, "lr": stats.lr,
-               "tokens": stats.tokens, "tokens_per_s": stats.tokens / stats.seconds if stats.seconds else 0.0,
-               "generation": plan.generation,
-               "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
-               "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": self.cfg.train.steps}
+        rec: dict[str, Any] = {
+            "step": stats.step, "time": time.time(), "loss": stats.loss, "samples": stats.samples,
+            "samples_per_s": stats.samples / stats.seconds if stats.seconds else 0.0,
+            "step_time_s": stats.seconds, "grad_norm": stats.grad_norm, "lr": stats.lr,
+            "tokens": stats.tokens, "tokens_per_s": stats.tokens / stats.seconds if stats.seconds else 0.0,
+            "generation": plan.generation,
+            "nodes": len(inst.nodes), "num_pipelines": len(inst.pipelines),
+            "pipelines": [p.microbatches for p in inst.pipelines], "total_steps": self.cfg.train.steps}
         self.sink.write(rec)
         self.throughput[stats.step] = rec["samples_per_s"]
         try:  # the launcher's mirror only: a store hiccup here must not fail a committed step

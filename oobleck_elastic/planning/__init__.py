@@ -37,7 +37,7 @@ from oobleck_elastic.planning.values import dumps, from_jsonable, loads, to_json
 __all__ = [
     "Cluster", "Instantiation", "LayerProfile", "ModelProfile", "PipelinePlan", "PipelineTemplate",
     "ReconfigurationPlan", "StagePlan", "TemplateSet", "Transfer", "WorkerRef", "build_instantiation",
-    "check_instantiation", "dumps", "fresh_layout", "from_jsonable", "instantiate", "iteration_ms", "layer_holders", "loads", "plan_template",
-    "plan_templates", "plan_transfers", "reconfigure", "simulate_1f1b", "split_batch", "synthetic_gpt",
-    "template_from_bounds", "to_jsonable",
+    "check_instantiation", "dumps", "fresh_layout", "from_jsonable", "instantiate", "iteration_ms",
+    "layer_holders", "loads", "plan_template", "plan_templates", "plan_transfers", "reconfigure", "simulate_1f1b",
+    "split_batch", "synthetic_gpt", "template_from_bounds", "to_jsonable",
 ]

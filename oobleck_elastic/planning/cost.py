@@ -37,9 +37,10 @@ Note: [cost model]
 
     After its last backward, stage k sums its gradients with the same layers' replicas in the
     other P - 1 pipelines and steps its optimizer: tail_k = ring(P) * g_k + o_k, where g_k is
-    its gradient bytes over the inter-node bandwidth, ring(P) = 2(P - 1)/P (a ring all-reduce sends and receives that share of
-    the bytes) and o_k the profiled optimizer step of its layers. Stage 0 finishes its
-    backward last, but a later stage with more parameters can finish its tail later, so
+    its gradient bytes over the inter-node bandwidth, ring(P) = 2(P - 1)/P (a ring all-reduce
+    sends and receives that share of the bytes) and o_k the profiled optimizer step of its
+    layers. Stage 0 finishes its backward last, but a later stage with more parameters can
+    finish its tail later, so
 
         T(M) = max_k [ A_k + M * w_k + (M - 1) * e_k + bubble_k + tail_k ]
 
@@ -241,5 +242,7 @@ class CostTables:
         sync = self.grad_bytes / width / (self._cluster.inter_node_bandwidth * 1e9) * 1e3
         return ring_factor(pipelines) * sync + self.optimizer_ms / width
 
-    def memory(self, l: int, e: int, in_flight: int, width: int) -> float:
-        return (self.static[l, e] + in_flight * self.activation[l, e]) / width
+    def memory(self, begin: int, end: int, in_flight: int, width: int) -> float:
+        """Bytes a worker of a stage holding layers [begin, end) across `width` workers needs with
+        `in_flight` microbatches' activations stored."""
+        return (self.static[begin, end] + in_flight * self.activation[begin, end]) / width

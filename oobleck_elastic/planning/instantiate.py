@@ -80,7 +80,8 @@ def check_instantiation(inst: Instantiation, templates: TemplateSet, global_batc
     by_nodes = templates.by_nodes()
     problems = []
     if (inst.global_batch_size, inst.microbatch_size) != (global_batch, microbatch):
-        problems.append(f"batch {inst.global_batch_size}/{inst.microbatch_size}, the job's is {global_batch}/{microbatch}")
+        problems.append(f"batch {inst.global_batch_size}/{inst.microbatch_size}, "
+                        f"the job's is {global_batch}/{microbatch}")
     for i, p in enumerate(inst.pipelines):
         if p.template not in by_nodes or len(p.nodes) != p.template:
             problems.append(f"pipeline {i} runs a {p.template}-node template on {len(p.nodes)} node(s) "
@@ -286,7 +287,7 @@ def instantiate(template_set: TemplateSet, nodes: Sequence[int], global_batch: i
     candidates = np.unique(np.concatenate(times))
     candidates = candidates[np.isfinite(candidates)]
 
-    def mix(target: float) -> tuple[int, list[int]]:
+    def mix(target: float) -> tuple[int, np.ndarray]:
         caps = np.array([_capacity(ti, t.min_microbatches, target) for ti, t in zip(times, usable)])
         ok = caps >= np.array([t.min_microbatches for t in usable])
         return _best_mix(sizes[ok], caps[ok], len(node_ids), min_pipelines)[0], np.nonzero(ok)[0]

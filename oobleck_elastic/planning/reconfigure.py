@@ -95,7 +95,7 @@ class _Planner:
 
     def missing(self, template: PipelineTemplate, nodes: Sequence[int]) -> list[tuple[WorkerRef, int, int]]:
         """(worker, layer, bytes) that this pipeline's workers need and do not hold."""
-        out = []
+        out: list[tuple[WorkerRef, int, int]] = []
         for stage in template.stages:
             for w in stage.workers:
                 ref = WorkerRef(nodes[stage.node], w)

@@ -64,8 +64,9 @@ def plan_next(templates: TemplateSet, base: Base | None, *, alive: Sequence[int]
     or one restored from a checkpoint). `alive`: the nodes to lay it on (members that answered
     the roll call and live joiners). `dead`: nodes known dead (recorded as the change's loss).
     `step`: the steps every survivor has completed. `checkpoint()`: the newest checkpoint's
-    step (0: the initial state, before the first checkpoint), read only when needed. `fresh`: with no base, start the run again at step 0 (the first
-    generation failed before it trained) instead of restoring."""
+    step (0: the initial state, before the first checkpoint), read only when needed. `fresh`:
+    with no base, start the run again at step 0 (the first generation failed before it trained)
+    instead of restoring."""
     dead = tuple(sorted(set(dead)))
     if base is None:
         if fresh:

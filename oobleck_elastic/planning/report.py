@@ -60,8 +60,9 @@ def _nodes(nodes: Sequence[int], limit: int = 8) -> str:
 
 
 def instantiation_table(inst: Instantiation, limit: int = 40) -> str:
-    rows = [(i, _nodes(p.nodes), p.template, p.microbatches, p.microbatches * inst.microbatch_size,
-             f"{p.iteration_ms:.1f}") for i, p in enumerate(inst.pipelines)]
+    rows: list[tuple[object, ...]] = [
+        (i, _nodes(p.nodes), p.template, p.microbatches, p.microbatches * inst.microbatch_size,
+         f"{p.iteration_ms:.1f}") for i, p in enumerate(inst.pipelines)]
     if len(rows) > limit:
         rows = rows[:limit - 1] + [("...", f"{len(rows) - limit + 1} more", "", "", "", "")]
     text = table(["pipeline", "nodes", "template", "microbatches", "samples", "est. ms"], rows)
@@ -74,8 +75,9 @@ def reconfiguration_text(plan: ReconfigurationPlan, limit: int = 30) -> str:
     lines += [f"  - {a}" for a in plan.actions]
     lines += [f"  WARNING: {w}" for w in plan.warnings]
     lines.append(instantiation_table(plan.instantiation))
-    rows = [(t.layer, f"{t.src.node}/{t.src.local_rank}", f"{t.dst.node}/{t.dst.local_rank}",
-             fmt_bytes(t.bytes)) for t in plan.transfers]
+    rows: list[tuple[object, ...]] = [
+        (t.layer, f"{t.src.node}/{t.src.local_rank}", f"{t.dst.node}/{t.dst.local_rank}", fmt_bytes(t.bytes))
+        for t in plan.transfers]
     if len(rows) > limit:
         rows = rows[:limit - 1] + [("...", f"{len(rows) - limit + 1} more", "", "")]
     lines.append(table(["layer", "src node/rank", "dst node/rank", "bytes"], rows) if rows

@@ -34,7 +34,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def from_jsonable(tp: Any, data: Any) -> Any:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a dataclass type, not an instance
         hints = _hints(tp)
         return tp(**{f.name: from_jsonable(hints[f.name], data[f.name])
                      for f in dataclasses.fields(tp) if f.name in data})

@@ -80,9 +80,9 @@ from oobleck_elastic.runtime.dcp_reader import empty_tensors, flat_keys, load_te
 from oobleck_elastic.runtime.layers import LayerState, LayerStore
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, model_fingerprint, state_shapes
 
-__all__ = ["CheckpointId", "CheckpointUnreadable", "checkpoint_id", "job_key", "job_digest", "plain", "save_layers", "mark_complete", "checkpoints",
-           "latest_checkpoint", "published", "identity", "check_dir", "find_resume", "remove_partials", "read_manifest", "load_model_state",
-           "restore_layers", "host_copy", "BackgroundWriter"]
+__all__ = ["CheckpointId", "CheckpointUnreadable", "checkpoint_id", "job_key", "job_digest", "plain", "save_layers",
+           "mark_complete", "checkpoints", "latest_checkpoint", "published", "identity", "check_dir", "find_resume",
+           "remove_partials", "read_manifest", "load_model_state", "restore_layers", "host_copy", "BackgroundWriter"]
 
 logger = logging.getLogger(__name__)
 # Each layer's owner saves and loads alone (no_dist): DCP says it assumes so, at every call.
@@ -230,6 +230,7 @@ def _named_state(state: LayerState) -> dict[str, Any]:
 def _optimizer_names(state: LayerState) -> list[str]:
     """The names of the optimizer's parameters in the order its state_dict numbers them (group
     after group: the numbers change with the groups, the names do not)."""
+    assert state.optimizer is not None, "called for a layer with an optimizer"
     name_of = {id(p): n for n, p in state.named_params}
     return [name_of[id(p)] for group in state.optimizer.param_groups for p in group["params"]]
 
@@ -261,7 +262,8 @@ def save_layers(root: str, step: int, states: Mapping[int, Mapping[str, Any]], r
 def _merge_metadata(directory: str, num_layers: int) -> None:
     """One `.metadata` for the whole step, pointing into the layers' files, so DCP tools
     (`dcp_to_torch_save`, `dcp.load`) read the step as one checkpoint (Note: [checkpoint format])."""
-    tensors, storage, planner = {}, {}, {}
+    tensors, storage = {}, {}
+    planner: dict[str, Any] = {}
     for i in range(num_layers):
         meta = read_metadata(_layer_dir(directory, i))
         tensors.update(meta.state_dict_metadata)

@@ -104,23 +104,26 @@ def flat_keys(tree: Mapping[str, Any], prefix: str = "") -> Iterable[str]:
             yield f"{prefix}{key}"
 
 
-def _require_tensors(path: str, metadata: Metadata, keys: Iterable[str]) -> None:
+def _require_tensors(path: str, metadata: Metadata, keys: Iterable[str]) -> dict[str, TensorStorageMetadata]:
+    """The entries of `keys`, each checked to be a tensor's."""
+    entries = {}
     for key in keys:
         entry = metadata.state_dict_metadata.get(key)
         if entry is None:
             raise OobleckError(f"checkpoint {path} holds no {key}; it is a checkpoint of another model")
         if not isinstance(entry, TensorStorageMetadata):
             raise _refused(path, f"its {key} is not a tensor")
+        entries[key] = entry
+    return entries
 
 
 def empty_tensors(path: str, metadata: Metadata, prefix: str) -> dict[str, torch.Tensor]:
     """A CPU tensor, its contents undefined, for each entry under `prefix.` in `metadata`,
     keyed by the rest of its name: what `load_tensors` fills."""
     keys = [key for key in metadata.state_dict_metadata if key.startswith(f"{prefix}.")]
-    _require_tensors(path, metadata, keys)  # before their sizes are read
-    return {key.removeprefix(f"{prefix}."): torch.empty(metadata.state_dict_metadata[key].size,
-                                                        dtype=metadata.state_dict_metadata[key].properties.dtype)
-            for key in keys}
+    entries = _require_tensors(path, metadata, keys)  # before their sizes are read
+    return {key.removeprefix(f"{prefix}."): torch.empty(entry.size, dtype=entry.properties.dtype)
+            for key, entry in entries.items()}
 
 
 class _CheckedReader(FileSystemReader):

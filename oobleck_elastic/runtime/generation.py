@@ -14,12 +14,14 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.devices import abort_groups, backend_for, prepare_backend
@@ -30,8 +32,11 @@ __all__ = ["Generation", "StageModule"]
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
-MULTI_STAGE = {"Interleaved1F1B"}
+# a PipelineScheduleMulti runs several stages a worker (Note: [stage to rank])
+SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
+    "1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
+# a tied parameter's group (None: one rank holds every copy) and the (layer, name) copies held here
+_TieGroup = tuple["dist.ProcessGroup | None", list[tuple[int, str]]]
 
 
 def _no_fault(phase: str) -> None:
@@ -100,7 +105,7 @@ class _Stage(PipelineStage):
     """A PipelineStage that calls `on_last_backward(stage_index)` once the schedule's last
     backward of a step has run on it: its parameters' gradients are then final for the step."""
 
-    on_last_backward = None
+    on_last_backward: Callable[[int], None] | None = None
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
@@ -133,10 +138,11 @@ class Generation:
         self.role: StageRole | None = plan.roles.get(self.rank)
         self.pipeline_group = None
         self.grad_groups: list[tuple[object, tuple[int, ...]]] = []
-        self.tie_groups, self._tied = [], {}
-        self.stages: list[PipelineStage] = []
+        self.tie_groups: list[_TieGroup] = []
+        self._tied: dict[int, set[str]] = {}
+        self.stages: list[_Stage] = []
         self.stage_modules: list[StageModule] = []
-        self.schedule = None
+        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
         self._in_flight: dict[int, tuple] = {}
         """Replica-set index -> (Work, flat gradients, the gradients) issued this step."""
         self._awaiting: dict[int, set[int]] = {}
@@ -175,12 +181,13 @@ class Generation:
                 self.grad_groups.append((group, layer_ids))
         self.tie_groups, self._tied = self._make_tie_groups(timeout)
 
-    def _make_tie_groups(self, timeout: timedelta) -> tuple[list, dict[int, set[str]]]:
+    def _make_tie_groups(self, timeout: timedelta) -> tuple[list[_TieGroup], dict[int, set[str]]]:
         """One group per tied parameter over every rank holding a copy (runtime.model Note:
         [tied parameters]), and the tied names of each held layer (left out of the per-layer
         sums: their gradient is summed over all copies instead)."""
         held = set(self.held_layers())
-        groups, tied = [], {}
+        groups: list[_TieGroup] = []
+        tied: dict[int, set[str]] = {}
         for shared in self.layers.model.shared:
             layers_of = {layer for layer, _ in shared.members}
             ranks = sorted(r for r, role in self.plan.roles.items() if layers_of & set(role.layer_ids))
@@ -218,17 +225,17 @@ class Generation:
             time, so it is built with the position as its rank and then given the real map.
         """
         role = self.role
+        assert role is not None, "a spare has no stage"
         sorted_ranks = sorted(set(role.stage_ranks))
         to_group_rank = {k: sorted_ranks.index(r) for k, r in enumerate(role.stage_ranks)}
         # the stage runs each layer's compute copy: the module itself, or its bf16 copy under
         # bf16-mixed (runtime.layers Note: [mixed precision])
         self.stage_modules = [StageModule([self.layers[i].compute for i in range(*layers)], self._fault)
                               for layers in role.stage_layers]
-        def shapes(layers: tuple[int, int]) -> dict[str, torch.Tensor]:
-            return {} if boundaries is None else {"input_args": boundaries[layers[0]],
-                                                  "output_args": boundaries[layers[1]]}
+        def shape(boundary: int) -> torch.Tensor | None:  # None: torch's default, inferred at run time
+            return None if boundaries is None else boundaries[boundary]
         self.stages = [_Stage(module, k, role.num_stages, self.layers.device, group=self.pipeline_group,
-                              **shapes(layers))
+                              input_args=shape(layers[0]), output_args=shape(layers[1]))
                        for module, k, layers in zip(self.stage_modules, role.stages, role.stage_layers)]
         for stage in self.stages:
             stage.on_last_backward = self._stage_done
@@ -236,15 +243,16 @@ class Generation:
             k: [j for j, (_, layer_ids) in enumerate(self.grad_groups) if set(layer_ids) & set(range(*layers))]
             for k, layers in zip(role.stages, role.stage_layers)}
         kind = SCHEDULES[self._schedule_name]
-        if self._schedule_name in MULTI_STAGE:
+        if issubclass(kind, PipelineScheduleMulti):
             for stage in self.stages:
                 stage.group_rank = role.position
-            self.schedule = kind(self.stages, n_microbatches=role.microbatches, loss_fn=self._loss_fn,
-                                 scale_grads=False)
+            # ignore: torch annotates the stages list[_PipelineStageBase] (invariant), and only reads it
+            self.schedule = multi = kind(self.stages, n_microbatches=role.microbatches,  # type: ignore[arg-type]
+                                         loss_fn=self._loss_fn, scale_grads=False)
             for stage in self.stages:
                 stage.group_rank = to_group_rank[stage.stage_index]
-            self.schedule.rank = role.position
-            self.schedule.stage_index_to_group_rank = to_group_rank
+            multi.rank = role.position
+            multi.stage_index_to_group_rank = to_group_rank
         else:
             self.schedule = kind(self.stages[0], n_microbatches=role.microbatches, loss_fn=self._loss_fn,
                                  scale_grads=False)
@@ -262,7 +270,8 @@ class Generation:
         with torch.no_grad():
             return self._run_schedule("eval", inputs, targets)
 
-    def _run_schedule(self, method: str, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> tuple[float, int]:
+    def _run_schedule(self, method: str, inputs: torch.Tensor | None,
+                      targets: torch.Tensor | None) -> tuple[float, int]:
         if self.role is None:  # a spare: no stage, no schedule
             return 0.0, 0
         self.layers.refresh_compute(self.held_layers())
@@ -275,6 +284,7 @@ class Generation:
         getattr(self.schedule, method)(*args, **kwargs)
         if not self.role.is_last:
             return 0.0, 0
+        assert targets is not None, "a last stage computes the loss"
         return float(sum(loss.detach().double() for loss in losses)), int(targets.shape[0])
 
     def _stage_done(self, stage_index: int) -> None:

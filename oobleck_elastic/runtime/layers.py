@@ -67,7 +67,8 @@ def _param_groups(named: list[tuple[str, nn.Parameter]], train: TrainConfig,
     patterns = train.no_weight_decay
     if not patterns:
         return [{"params": [p for _, p in named]}]
-    decayed, exempt = [], []
+    decayed: list[nn.Parameter] = []
+    exempt: list[nn.Parameter] = []
     for name, p in named:
         key = canonical.get(name, name)
         (exempt if any(fnmatch.fnmatchcase(key, pat) for pat in patterns) else decayed).append(p)
@@ -104,6 +105,7 @@ class LayerState:
     @staticmethod
     def _into_master(master: nn.Parameter):
         def hook(low: torch.Tensor) -> None:
+            assert low.grad is not None, "torch runs the hook once the gradient is accumulated"
             if master.grad is None:
                 master.grad = low.grad.to(master.dtype)
             else:
@@ -147,14 +149,19 @@ class LayerState:
         """Gradients (of every parameter but those named in `exclude`), materialising zeros for
         parameters that got none this step."""
         skip = set(exclude)
-        for p in self.params:
+        grads = []
+        for n, p in self.named_params:  # self.params, with their names
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return [p.grad for n, p in self.named_params if n not in skip]
+            if n not in skip:
+                grads.append(p.grad)
+        return grads
 
     def grad_of(self, name: str) -> torch.Tensor:
         self.grads()
-        return self.module.get_parameter(name).grad
+        grad = self.module.get_parameter(name).grad
+        assert grad is not None, f"{name} is a trainable parameter of the layer"
+        return grad
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything a replica of this layer is made of, in a fixed order: parameters and
@@ -196,12 +203,14 @@ class LayerState:
             keys, shapes and dtypes for free, and each tensor is then allocated (not filled) on
             the layer's device; scalars the optimizer keeps on the CPU (AdamW's `step`) are
             copied. The state is what a real first step makes, key for key."""
+        assert self.optimizer is not None, "called by prime_optimizer() for a layer with an optimizer"
         meta = {p: nn.Parameter(torch.empty_like(p, device="meta")) for p in self.params}
         for m in meta.values():
             m.grad = torch.empty_like(m)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [meta[p] for p in g["params"]]}
                   for g in self.optimizer.param_groups]
-        shadow = type(self.optimizer)(groups)
+        # ignore: the base Optimizer's signature (params, defaults) is not its subclasses' (params, **options)
+        shadow = type(self.optimizer)(groups)  # type: ignore[call-arg]
         shadow.step()
         for p, m in meta.items():
             self.optimizer.state[p] = {

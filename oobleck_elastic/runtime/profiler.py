@@ -35,8 +35,9 @@ Note: [layers timed in context]
 The profile file (format in `planning.profile`) lives in `planner.profile_dir`, named by a hash
 of every field of its key: the model's signature (its name and fingerprint: architecture
 description, every layer's parameter and buffer shapes and dtypes; runtime.model.model_fingerprint)
-with the optimizer, microbatch size, precision, device and torch version. A cached file is used only if its recorded key matches; anything else is
-profiled again, so a stale cache is never used.
+with the optimizer, microbatch size, precision, device and torch version. A cached file is used
+only if its recorded key matches; anything else is profiled again, so a stale cache is never
+used.
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypeVar, cast
 
 import psutil
 import torch
 
 from oobleck_elastic.config import OptimizerConfig, TrainConfig
-from oobleck_elastic.config.schema import PRECISIONS
+from oobleck_elastic.config.schema import PRECISIONS, Precision
 from oobleck_elastic.planning.profile import PROFILE_FORMAT, LayerProfile, ModelProfile
 from oobleck_elastic.runtime.layers import LayerState
 from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer, model_fingerprint
@@ -62,6 +64,8 @@ from oobleck_elastic.runtime.model import DTYPES, ModelSpec, materialize_layer, 
 __all__ = ["profile_model", "load_or_profile", "profile_path", "device_memory_bytes", "resolve_precision"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -77,7 +81,7 @@ def _device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def _peak_growth(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+def _peak_growth(run: Callable[[], T], device: torch.device) -> tuple[T, int]:
     """run()'s result and, on CUDA, how far the allocator's peak rose above what was allocated
     before (0 on the CPU, which has no such counter)."""
     if device.type != "cuda":
@@ -90,7 +94,7 @@ def _peak_growth(run: Callable[[], torch.Tensor], device: torch.device) -> tuple
     return out, max(0, torch.cuda.max_memory_allocated(device) - before)
 
 
-def resolve_precision(precision: str | None = None, dtype: str | None = None) -> str:
+def resolve_precision(precision: str | None = None, dtype: str | None = None) -> Precision:
     """train.precision from either spelling the profiler takes: a precision (fp32, bf16-mixed,
     bf16, fp64) or a former dtype name (float32, bfloat16, float64)."""
     value = precision or dtype or "fp32"
@@ -98,7 +102,7 @@ def resolve_precision(precision: str | None = None, dtype: str | None = None) ->
     if value not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)} (or float32, bfloat16, float64), "
                          f"got {precision or dtype!r}")
-    return value
+    return cast(Precision, value)  # one of PRECISIONS' keys, which are the Precision literals
 
 
 def _profile_name(precision: str) -> str:
@@ -265,7 +269,7 @@ def profile_model(spec: ModelSpec, *, microbatch_size: int, precision: str | Non
     return dataclasses.replace(profile, signature=_signature(spec, optimizer, precision))
 
 
-def _measure(spec: ModelSpec, *, microbatch_size: int, precision: str, seed: int, iterations: int,
+def _measure(spec: ModelSpec, *, microbatch_size: int, precision: Precision, seed: int, iterations: int,
              optimizer: OptimizerConfig, device: torch.device | str) -> ModelProfile:
     """The measurements, with an empty signature (the callers set it)."""
     device = torch.device(device)
@@ -333,6 +337,6 @@ def load_or_profile(spec: ModelSpec, *, directory: str, microbatch_size: int, pr
             logger.info("profile cache %s is stale (key changed); profiling again", path)
     profile = dataclasses.replace(_measure(spec, microbatch_size=microbatch_size, precision=precision, seed=seed,
                                            iterations=iterations, optimizer=optimizer, device=device),
-                                  signature=expected["signature"])
+                                  signature=str(expected["signature"]))
     profile.save(path)
     return profile, False

@@ -160,10 +160,15 @@ class Trainer:
         self.last_build_s = {"reinit": t1 - t0, "transfer": t2 - t1, "rebuild": time.perf_counter() - t2}
         return moved
 
+    def _built(self) -> Generation:
+        """The current generation: what steps, evaluates and settles runs in one, once built."""
+        assert self.generation is not None, f"{self.me} has no generation built"
+        return self.generation
+
     def settle(self) -> None:
         """Forgets the layers the current generation does not run. Until then a worker keeps the
         previous generation's layers, so a build that fails part-way can fall back to them."""
-        self.layers.keep_only(self.generation.held_layers())
+        self.layers.keep_only(self._built().held_layers())
 
     def step(self) -> StepStats:
         """compute() then apply(): one whole step, for callers without a commit protocol."""
@@ -174,7 +179,7 @@ class Trainer:
     def compute(self) -> _Computed:
         """Forward, backward, gradient sums and the world-wide statistics of the next step.
         Every collective of the step happens here; apply() is local."""
-        gen = self.generation
+        gen = self._built()
         step = self.completed_steps
         start = time.perf_counter()
         inputs = targets = None
@@ -219,9 +224,10 @@ class Trainer:
         """The loss of eval batch `batch` (its global mean, as training averages a step's: Note:
         [loss] in runtime/model.py) and its counted targets, world-wide; forward only, the
         layers in eval mode."""
-        gen = self.generation
+        gen = self._built()
         inputs = targets = None
         if gen.role is not None:
+            assert self.eval_loader is not None, "evaluations run only with an eval dataset"
             lo, hi = gen.role.samples
             data = self.eval_loader.get(batch, lo, hi, first=gen.role.is_first, last=gen.role.is_last)
             inputs, targets = data.inputs, data.targets
@@ -244,7 +250,7 @@ class Trainer:
         cannot fail because of a peer)."""
         assert computed.stats.step == self.completed_steps, "apply() must follow its own compute()"
         factor = lr_factor(self.cfg.train.lr_schedule, computed.stats.step, self.cfg.train.steps)
-        for n, i in enumerate(self.generation.held_layers()):
+        for n, i in enumerate(self._built().held_layers()):
             state = self.layers[i]
             state.buffers_into_master()  # bf16-mixed (runtime.layers Note: [mixed precision])
             if computed.clip_coef < 1.0:
@@ -265,7 +271,7 @@ class Trainer:
 
     def layer_summaries(self) -> tuple[list[float], list[float]]:
         """float64 sum and L2 norm of every layer's parameters, world-wide (each layer once)."""
-        gen = self.generation
+        gen = self._built()
         n = self.model.num_layers
         stats = torch.zeros(2 * n, dtype=torch.float64)
         for i, rank in gen.plan.layer_owner.items():

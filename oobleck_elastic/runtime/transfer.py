@@ -5,12 +5,12 @@ Note: [transfer wire format]
     `LayerState.state_tensors()` in order: each tensor of at least DIRECT_BYTES goes as a
     message of its own, sent from and received into the tensor itself (no copy on either
     side); the smaller ones are flattened into one buffer per (device, dtype), in order of
-    first appearance (on CUDA an optimizer keeps its step counters on the CPU), and copied in on arrival. Message k of transfer i has tag i * MESSAGES + k.
-    The receiver, holding a freshly built replica of the same layer (its optimizer primed
-    when the run has stepped), derives the same messages from the same layer factory, so
-    nothing but tensor bytes crosses the wire and a recovered replica is bit-identical to its
-    source. All sends and receives are posted at once (isend/irecv) and then awaited, so the
-    order of transfers cannot deadlock.
+    first appearance (on CUDA an optimizer keeps its step counters on the CPU), and copied in
+    on arrival. Message k of transfer i has tag i * MESSAGES + k. The receiver, holding a
+    freshly built replica of the same layer (its optimizer primed when the run has stepped),
+    derives the same messages from the same layer factory, so nothing but tensor bytes crosses
+    the wire and a recovered replica is bit-identical to its source. All sends and receives are
+    posted at once (isend/irecv) and then awaited, so the order of transfers cannot deadlock.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ DIRECT_BYTES = 1 << 18  # a tensor this large is its own message
 def _messages(tensors: Sequence[torch.Tensor]) -> list[tuple[bool, list[torch.Tensor]]]:
     """The layer's state as messages, (direct, tensors): a large contiguous tensor alone, sent
     and received in place; the rest by (device, dtype), through a flat buffer."""
-    direct, buckets = [], {}
+    direct: list[tuple[bool, list[torch.Tensor]]] = []
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BYTES:
             direct.append((True, [t]))
@@ -87,6 +88,7 @@ def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: Worke
         if any(t.dst == me for t in transfers):
             fault("transfer_receive")
         for work in pending:
+            assert work is not None, "None only for a rank outside the group; this is the default group"
             work.wait(timeout)
         for flat, message in receiving:
             for target, value in zip(message, unflatten(flat, message)):

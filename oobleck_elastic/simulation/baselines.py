@@ -38,13 +38,17 @@ Note: [baseline constants]
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from oobleck_elastic.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["RestartBaseline", "RedundantBaseline", "TorchrunBaseline", "Baselines", "SOURCES"]
 
 
-def _check_non_negative(obj: object) -> None:
+def _check_non_negative(obj: DataclassInstance) -> None:
     for name, value in asdict(obj).items():
         if isinstance(value, (int, float)) and not value >= 0:
             raise ConfigError(f"{type(obj).__name__}.{name} must be >= 0, got {value}")

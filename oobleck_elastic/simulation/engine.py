@@ -44,6 +44,7 @@ from oobleck_elastic.simulation.trace import Trace, TraceEvent
 __all__ = ["SimJob", "SystemResult", "Change", "simulate", "SYSTEMS", "OobleckModel", "layout_step_model"]
 
 SYSTEMS = ("oobleck", "restart", "redundant", "torchrun")
+_BASELINES = Baselines()  # simulate()'s default (frozen, so one instance serves every call)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +204,8 @@ class _Ledger:
             if self.goal_steps is not None and self.steps >= self.goal_steps:
                 self.finished_at = self.t
                 return
-            due = (every_steps and self.steps % every_steps == 0) or (every_s and self.since_checkpoint_s >= every_s - 1e-9)
+            due = ((every_steps and self.steps % every_steps == 0)
+                   or (every_s and self.since_checkpoint_s >= every_s - 1e-9))
             if due:
                 self.checkpoint(write_s)
 
@@ -305,9 +307,11 @@ class OobleckModel(_System):
         self._set_step()
 
     def _set_step(self) -> None:
-        self.step_s = None if self.inst is None else self.job.step_seconds(self.inst.iteration_ms) + self.constants.step_overhead_s
+        self.step_s = (None if self.inst is None
+                       else self.job.step_seconds(self.inst.iteration_ms) + self.constants.step_overhead_s)
 
-    def _next(self, alive: list[int], dead: list[int], step: int, checkpoint_step: int) -> tuple[NextLayout | None, float]:
+    def _next(self, alive: list[int], dead: list[int], step: int,
+              checkpoint_step: int) -> tuple[NextLayout | None, float]:
         base = Base(self.generation, self.inst) if self.inst is not None else None
         try:
             layout = plan_next(self.templates, base, alive=alive, dead=dead, step=step,
@@ -490,12 +494,13 @@ def _result(system: _System, trace: Trace, ledger: _Ledger, free: _Ledger | None
     free_rate = free.steps * batch / trace.duration_s if free is not None else 0.0
     changes = tuple(getattr(system, "changes", ()))
     return SystemResult(system=system.name, trace=trace.name, duration_s=duration, steps=ledger.steps,
-                        samples=ledger.steps * batch, samples_per_s=ledger.steps * batch / duration if duration else 0.0,
+                        samples=ledger.steps * batch,
+                        samples_per_s=ledger.steps * batch / duration if duration else 0.0,
                         failure_free_samples_per_s=free_rate, useful_s=ledger.useful_s, lost_s=ledger.lost_s,
                         recovery_s=ledger.recovery_s, fallback_s=ledger.fallback_s, checkpoint_s=ledger.checkpoint_s,
                         idle_s=ledger.idle_s, recoveries=ledger.recoveries, fallbacks=ledger.fallbacks,
-                        progress=tuple((a, b, n) for a, b, n, kept in ledger.segments if kept), finished_at=ledger.finished_at, note=system.note,
-                        changes=changes)
+                        progress=tuple((a, b, n) for a, b, n, kept in ledger.segments if kept),
+                        finished_at=ledger.finished_at, note=system.note, changes=changes)
 
 
 def _systems(job: SimJob, plan: JobPlan, nodes: int, constants: RecoveryConstants, baselines: Baselines,
@@ -506,12 +511,13 @@ def _systems(job: SimJob, plan: JobPlan, nodes: int, constants: RecoveryConstant
         if name == "oobleck":
             out.append(OobleckModel(job, plan, constants, nodes, layouts, cache))
         elif name == "restart":
-            b = baselines.restart
-            out.append(_Restart(job, plan.templates, nodes, times, b.restart_s, b, rollback_on_join=False))
+            restart = baselines.restart
+            out.append(_Restart(job, plan.templates, nodes, times, restart.restart_s, restart,
+                                rollback_on_join=False))
         elif name == "torchrun":
-            b = baselines.torchrun
-            system = _Restart(job, plan.templates, nodes, times, b.restart_s + b.checkpoint_read_s, b,
-                              rollback_on_join=True)
+            torchrun = baselines.torchrun
+            system = _Restart(job, plan.templates, nodes, times, torchrun.restart_s + torchrun.checkpoint_read_s,
+                              torchrun, rollback_on_join=True)
             system.name = "torchrun"
             out.append(system)
         elif name == "redundant":
@@ -545,7 +551,7 @@ def _unfit(name: str, trace: Trace, why: str) -> SystemResult:
                         progress=(), note=why)
 
 
-def simulate(job: SimJob, trace: Trace, constants: RecoveryConstants, *, baselines: Baselines = Baselines(),
+def simulate(job: SimJob, trace: Trace, constants: RecoveryConstants, *, baselines: Baselines = _BASELINES,
              systems: Sequence[str] = SYSTEMS, seed: int = 0, layouts: str = "exact",
              goal_steps: int | None = None, plan: JobPlan | None = None,
              cache: dict | None = None) -> list[SystemResult]:
@@ -562,6 +568,7 @@ def simulate(job: SimJob, trace: Trace, constants: RecoveryConstants, *, baselin
         if isinstance(run, str):
             results.append(_unfit("redundant", trace, run))
             continue
+        assert not isinstance(free, str), "the reference is the same system"
         ledger = _replay(run, trace, job.global_batch, seed, goal_steps, layouts == "exact")
         free_ledger = _replay(free, trace, job.global_batch, seed, None, layouts == "exact", free=True)
         results.append(_result(run, trace, ledger, free_ledger, job.global_batch))

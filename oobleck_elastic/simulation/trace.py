@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 
 from oobleck_elastic.errors import ConfigError
 
-__all__ = ["SPOT_MEANS", "TraceEvent", "Trace", "parse_duration", "fixed_trace", "poisson_trace", "load_csv", "trace_from_spec"]
+__all__ = ["SPOT_MEANS", "TraceEvent", "Trace", "parse_duration", "fixed_trace", "poisson_trace", "load_csv",
+           "trace_from_spec"]
 
 SPOT_MEANS = {"ec2": 7.7 * 60, "gcp": 10.3 * 60}
 """Mean seconds between preemptions of the spot traces the paper cites (`poisson:ec2`)."""

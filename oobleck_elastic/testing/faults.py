@@ -68,8 +68,9 @@ def parse_faults(text: str) -> list[Fault]:
     for part in filter(None, (p.strip() for p in text.split(";"))):
         fields = dict(item.split("=", 1) for item in part.split(",") if "=" in item)
         action = fields.get("action", "kill")
-        if not {"node", "step", "phase"} <= set(fields) <= {"node", "step", "phase", "action", "seconds"} \
-                or fields["phase"] not in PHASES or action not in ACTIONS or ("seconds" in fields) != (action == "slow"):
+        known = {"node", "step", "phase"} <= set(fields) <= {"node", "step", "phase", "action", "seconds"}
+        if not known or fields["phase"] not in PHASES or action not in ACTIONS \
+                or ("seconds" in fields) != (action == "slow"):
             raise ConfigError(f"OOBLECK_FAULT entry {part!r} must be node=N,step=K,phase=P[,action=A] with P one "
                               f"of {', '.join(PHASES)} and A one of {', '.join(ACTIONS)} (slow takes seconds=S)")
         faults.append(Fault(int(fields["node"]), int(fields["step"]), fields["phase"], action,
@@ -112,7 +113,7 @@ class FaultInjector:
                 raise RuntimeError(f"injected glitch at {phase} of step {step} on node {self.node}")
             elif fault.action == "term":  # once: what a scheduler sends a node it stops
                 self.faults.remove(fault)
-                os.kill(os.getppid(), signal.SIGTERM)
+                os.kill(_agent(), signal.SIGTERM)
             elif fault.action == "stop":
                 self.faults.remove(fault)  # once: after SIGCONT the step is replayed
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -121,9 +122,15 @@ class FaultInjector:
 
     @staticmethod
     def kill_node() -> None:
-        agent = os.getppid()
-        try:
+        agent = _agent()
+        try:  # the agent's group holds the node's worker starter too, if it has one
             os.killpg(os.getpgid(agent), signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _agent() -> int:
+    """This worker's agent: its parent, unless the node's worker starter forked it (its
+    environment names the agent either way)."""
+    return int(os.environ.get("OOBLECK_AGENT_PID", os.getppid()))

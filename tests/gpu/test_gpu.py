@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from jobs import ROOT, SCRIPT, STEPS, assert_matches, job_args, records
 
 pytestmark = [
@@ -75,8 +74,8 @@ def _transfer_worker(rank: int, port: int, out: str) -> None:
     from examples.gpt.model import GPTConfig, gpt_model
     from oobleck_elastic.config import load_config
     from oobleck_elastic.planning import Transfer, WorkerRef
-    from oobleck_elastic.runtime.layers import LayerStore
     from oobleck_elastic.runtime.devices import backend_for, resolve_device
+    from oobleck_elastic.runtime.layers import LayerStore
     from oobleck_elastic.runtime.transfer import run_transfers
 
     class Plan:  # run_transfers needs rank_of only

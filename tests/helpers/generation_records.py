@@ -3,9 +3,10 @@ of what a run leaves in a real one."""
 
 from __future__ import annotations
 
+from runtime_harness import templates_for
+
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.planning import build_instantiation
-from runtime_harness import templates_for
 
 TEMPLATES = templates_for(6, 6)
 

@@ -1,5 +1,6 @@
 """Tiny Hugging Face artefacts built locally, for tests and examples that must not download; and
-the fixtures of the data.prepare tests (`tokenizer_dir`, `texts`: import them by name)."""
+the fixtures of the data.prepare tests (`tokenizer_dir`, `texts`: a tier's conftest.py imports
+them, so its test modules take them as arguments without importing them)."""
 
 from __future__ import annotations
 

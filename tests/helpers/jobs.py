@@ -11,6 +11,8 @@ import sys
 import psutil
 import pytest
 
+from oobleck_elastic.elastic.process import run_id_of, worker_identity
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples/gpt/train.py")
 STEPS = 6
@@ -73,26 +75,34 @@ def assert_matches(final, reference, rel=1e-9):
         assert ours == pytest.approx(theirs, rel=rel, abs=1e-12)
 
 
-def run_processes(run_id: str) -> list[psutil.Process]:
-    """Every worker of run `run_id` still alive (their environment names the run)."""
+def run_processes(run_id: str, workers: bool = False) -> list[psutil.Process]:
+    """Every process of run `run_id` still alive: launchers, node starters, agents, worker
+    starters and workers (elastic/process.py `run_id_of`); `workers`: the workers alone."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("OOBLECK_RUN_ID") == run_id:
+            if run_id_of(proc) == run_id and (not workers or worker_identity(proc)):
                 found.append(proc)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return found
 
 
-def node_worker(run_id: str, node: int) -> psutil.Process:
-    """The worker process of `node` (its environment, fixed at exec, names run and node)."""
+def node_worker(run_id: str, node: int, local_rank: int = 0) -> psutil.Process:
+    """The worker process of `node` with `local_rank` (exec'd: its environment says who it is;
+    forked: its name, elastic/process.py `worker_identity`)."""
     found = []
-    for proc in run_processes(run_id):
+    for proc in run_processes(run_id, workers=True):
         try:
-            if proc.environ().get("OOBLECK_NODE_ID") == str(node):
+            if worker_identity(proc) == (node, local_rank):
                 found.append(proc)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     assert len(found) == 1, found
     return found[0]
+
+
+def node_agent(run_id: str, node: int) -> psutil.Process:
+    """The agent of `node`: its worker's parent, or its worker starter's."""
+    parent = node_worker(run_id, node).parent()
+    return parent.parent() if parent.name() == "oobleck-starter" else parent

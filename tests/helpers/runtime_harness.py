@@ -56,8 +56,8 @@ class Phase:
 
 def job_config(overrides=()):
     # train.device=cpu: in-process workers run on the CPU even where the pytest process sees GPUs
-    return load_config(None, ["train.device=cpu", "train.dtype=float64", "train.global_batch_size=24", "train.microbatch_size=2",
-                              "train.optimizer.lr=0.01", "elastic.collective_timeout_s=60",
+    return load_config(None, ["train.device=cpu", "train.dtype=float64", "train.global_batch_size=24",
+                              "train.microbatch_size=2", "train.optimizer.lr=0.01", "elastic.collective_timeout_s=60",
                               "elastic.lease_timeout_s=90", "elastic.agreement_timeout_s=120", *overrides])
 
 

@@ -3,11 +3,11 @@ multi-process run and the local job of it are compared with."""
 
 from __future__ import annotations
 
-import torch
-
 import tied_model
-from oobleck_elastic.runtime.data import SampleOrder
+import torch
 from runtime_harness import job_config
+
+from oobleck_elastic.runtime.data import SampleOrder
 
 OVERRIDES = ["train.grad_clip_norm=0.3", "train.optimizer.weight_decay=0.1",
              'train.no_weight_decay=["*.bias", "*norm*"]']

@@ -10,9 +10,7 @@ import subprocess
 import sys
 
 import pytest
-
 from jobs import SCRIPT, assert_matches, job_args, records
-
 
 LONG = ["--set", "train.steps=40"]  # as failure_free_40 (jobs.py)
 

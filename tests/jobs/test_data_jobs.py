@@ -1,14 +1,12 @@
 """`python -m oobleck_elastic.data.prepare` as a command: a token file written, and a missing
 text file one line with exit status 2 (the CLI in-process and token files:
-tests/unit/test_data.py)."""
+tests/unit/test_data.py). Its fixtures come from tests/jobs/conftest.py."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-
-from hf_fixtures import texts, tokenizer_dir  # noqa: F401 (fixtures)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -11,9 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from jobs import SCRIPT, STEPS, assert_matches, job_args, records
-
 
 EVAL = ["--set", "eval.interval=2", "--set", "eval.steps=2"]
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402
-
 from hf_fixtures import make_causal_lm, write_tokens  # noqa: E402
 from jobs import records  # noqa: E402
+
 from oobleck_elastic.data import TokenFile  # noqa: E402
 from oobleck_elastic.runtime.data import SampleOrder  # noqa: E402
 

@@ -9,11 +9,11 @@ import pathlib
 import subprocess
 import sys
 
+import jobs
 import psutil
 import pytest
-
-import jobs
 from etcd_server import etcd_server
+
 from oobleck_elastic.elastic.protocol import RECORDS
 from oobleck_elastic.elastic.store import connect_store
 

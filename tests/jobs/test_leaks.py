@@ -13,9 +13,9 @@ import sys
 import time
 
 import psutil
-
 from jobs import SCRIPT, job_args, records, run_processes
 
+from oobleck_elastic.elastic.process import worker_identity
 
 GENERATIONS = 50
 BOUNDS = {"fds": 4, "threads": 2, "rss_mb": 32.0}  # growth of the peaks from generations 5-15 to the last 10
@@ -23,12 +23,12 @@ BOUNDS = {"fds": 4, "threads": 2, "rss_mb": 32.0}  # growth of the peaks from ge
 
 def sample(run_id: str) -> dict[str, dict[str, float]]:
     out = {}
-    for proc in run_processes(run_id):
+    for proc in run_processes(run_id, workers=True):
         try:
             with proc.oneshot():
-                out[proc.environ()["OOBLECK_NODE_ID"]] = {
+                out[str(worker_identity(proc)[0])] = {
                     "fds": proc.num_fds(), "threads": proc.num_threads(), "rss_mb": proc.memory_info().rss / 2**20}
-        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
             continue
     return out
 

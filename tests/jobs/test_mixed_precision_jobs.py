@@ -10,10 +10,9 @@ import sys
 
 import pytest
 import torch
-
 from jobs import ROOT, SCRIPT, records
-from oobleck_elastic.runtime.checkpoint import load_model_state, read_manifest
 
+from oobleck_elastic.runtime.checkpoint import load_model_state, read_manifest
 
 STEPS = 30
 
@@ -43,7 +42,8 @@ def test_four_nodes_bf16_mixed_with_a_kill_follow_the_fp32_reference(tmp_path):
     steps = [r for r in log if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == list(range(STEPS)), "each step logged once, the killed one replayed"
     assert all(r["samples"] == 64 for r in steps)
-    reference = {r["step"]: r["loss"] for r in records(tmp_path / "ref/metrics.jsonl") if "step" in r and "event" not in r}
+    reference = {r["step"]: r["loss"] for r in records(tmp_path / "ref/metrics.jsonl")
+                 if "step" in r and "event" not in r}
     for r in steps:
         assert r["loss"] == pytest.approx(reference[r["step"]], rel=0.02), f"step {r['step']}"
     assert reference[STEPS - 1] < 0.8 * reference[0], "the run learns (the comparison is not of two flat lines)"

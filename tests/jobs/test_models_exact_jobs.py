@@ -4,9 +4,8 @@ equal to plain PyTorch under its own names."""
 
 from __future__ import annotations
 
-import torch
-
 import tied_model
+import torch
 from tied_reference import OVERRIDES, plain_reference
 
 
@@ -27,7 +26,8 @@ def test_factory_model_on_four_nodes_through_a_kill_exports_its_own_state_dict(t
             "planner.memory_per_worker=35KB", f"checkpoint.dir={tmp_path / 'ckpt'}",
             f"planner.profile_dir={tmp_path / 'profiles'}", f"monitoring.metrics_path={tmp_path / 'm.jsonl'}",
             f"monitoring.tensorboard_dir={tmp_path / 'tb'}"]
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(tied_model.__file__), "OOBLECK_FAULT": "node=1,step=2,phase=backward"}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(tied_model.__file__),
+           "OOBLECK_FAULT": "node=1,step=2,phase=backward"}
     train = [sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=4", "--nproc-per-node=1",
              f"--oobleck-log-dir={tmp_path / 'logs'}", "-m", "oobleck_elastic.train",
              *(x for s in sets for x in ("--set", s))]

@@ -10,15 +10,7 @@ import sys
 import time
 
 import psutil
-
-from jobs import SCRIPT, STEPS, assert_matches, job_args, records, run_processes
-
-
-def worker(run_id: str, node: int, local_rank: int) -> psutil.Process:
-    found = [p for p in run_processes(run_id)
-             if p.environ().get("OOBLECK_NODE_ID") == str(node) and p.environ().get("LOCAL_RANK") == str(local_rank)]
-    assert len(found) == 1, found
-    return found[0]
+from jobs import SCRIPT, STEPS, assert_matches, job_args, node_worker, records, run_processes
 
 
 def test_one_worker_of_a_two_worker_node_crashing_is_one_node_failure(tmp_path, failure_free):
@@ -32,8 +24,8 @@ def test_one_worker_of_a_two_worker_node_crashing_is_one_node_failure(tmp_path, 
         while not (metrics.exists() and '"step": 1' in metrics.read_text()):
             assert time.monotonic() < deadline and launcher.poll() is None, "the job never got going"
             time.sleep(0.1)
-        crashed = worker("twoworkers", 1, 1)
-        sibling = worker("twoworkers", 1, 0)
+        crashed = node_worker("twoworkers", 1, 1)
+        sibling = node_worker("twoworkers", 1, 0)
         crashed.kill()
         out, _ = launcher.communicate(timeout=300)
     finally:

@@ -12,8 +12,8 @@ import time
 
 import psutil
 import pytest
+from jobs import SCRIPT, STEPS, assert_matches, job_args, node_agent, node_worker, records, run_processes
 
-from jobs import SCRIPT, STEPS, assert_matches, job_args, node_worker, records, run_processes
 from oobleck_elastic.runtime.checkpoint import checkpoints
 
 
@@ -107,7 +107,7 @@ def test_sigstopped_node_is_detected_by_its_lease(tmp_path, failure_free):
     try:
         wait_for_step_one(tmp_path, launcher)
         worker = node_worker("stoptest", 1)
-        for proc in (worker.parent(), worker):  # the whole node: agent (its lease stops) and worker
+        for proc in (node_agent("stoptest", 1), worker):  # the whole node: agent (its lease stops) and worker
             proc.suspend()
             stopped.append(proc)
         out, _ = launcher.communicate(timeout=300)
@@ -165,7 +165,8 @@ def test_a_second_kill_in_each_window_of_a_recovery(tmp_path, failure_free, phas
     recoveries = [r for r in log if r.get("event") == "recovery"]
     lost = sorted(n for r in recoveries for n in r["lost"])
     assert 1 in lost and len(lost) >= 2, f"the second fault never fired: lost {lost}"
-    assert [r["restored_from"] for r in recoveries if r["restored_from"] is not None] == ([restored] if restored else [])
+    restored_from = [r["restored_from"] for r in recoveries if r["restored_from"] is not None]
+    assert restored_from == ([restored] if restored else [])
     steps = [r["step"] for r in log if "step" in r and "event" not in r]
     if restored is None:
         assert steps == list(range(STEPS)), "each step once"
@@ -287,9 +288,8 @@ def test_workers_exit_when_their_agent_dies(tmp_path):
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_step_one(tmp_path, launcher)
-        worker = node_worker("orphan", 2)
-        assert "oobleck_elastic.launch" in " ".join(worker.parent().cmdline())
-        worker.parent().kill()
+        worker, agent = node_worker("orphan", 2), node_agent("orphan", 2)
+        agent.kill()
         gone, alive = psutil.wait_procs([worker], timeout=10)
         assert not alive, "the worker outlived its agent"
         out, _ = launcher.communicate(timeout=300)

@@ -14,9 +14,7 @@ import time
 
 import psutil
 import pytest
-
-from jobs import SCRIPT, assert_matches, job_args, node_worker, records, run_processes
-
+from jobs import SCRIPT, assert_matches, job_args, node_agent, records, run_processes
 
 STEPS = 14
 SETS = ["--set", f"train.steps={STEPS}", "--set", "checkpoint.interval=4"]
@@ -105,7 +103,7 @@ def test_a_kill_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_pa
     faults = ";".join(f"node={n},step=8,phase=checkpoint,action=stop" for n in range(4))
     launcher = start(tmp_path, 4, "midwrite", {**os.environ, "OOBLECK_FAULT": faults})
     try:
-        wait_until(lambda: [p.status() for p in run_processes("midwrite")] == [psutil.STATUS_STOPPED] * 4,
+        wait_until(lambda: [p.status() for p in run_processes("midwrite", workers=True)] == [psutil.STATUS_STOPPED] * 4,
                    launcher, "every worker stopped in the middle of the checkpoint")
     finally:
         kill_everything(launcher, "midwrite")
@@ -141,7 +139,7 @@ def test_sigterm_to_one_agent_stops_the_job_and_nothing_is_redone(tmp_path, refe
     launcher = start(tmp_path, 4, "term")
     try:
         wait_until(lambda: logged(tmp_path, 9), launcher, "step 9")
-        node_worker("term", 1).parent().send_signal(signal.SIGTERM)  # what a scheduler sends a node
+        node_agent("term", 1).send_signal(signal.SIGTERM)  # what a scheduler sends a node
         out, _ = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:

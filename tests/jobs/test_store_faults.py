@@ -11,7 +11,6 @@ import time
 from etcd_server import etcd_process
 from jobs import SCRIPT, STEPS, assert_matches, job_args, records, run_processes
 
-
 # The blip (2 s down, then etcd's own start) must be shorter than the collective timeout too:
 # workers read a step's decision from etcd one by one, so an outage can catch some of them
 # past the read, in the next step's collectives, waiting on peers still blocked in etcd; a

@@ -14,9 +14,9 @@ import sys
 import time
 
 import psutil
-
 from etcd_server import etcd_server
 from jobs import ROOT, SCRIPT, STEPS, assert_matches, job_args, node_worker, records
+
 from oobleck_elastic.runtime.checkpoint import read_manifest
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # what the `torchrun` script runs
@@ -54,7 +54,8 @@ def run_torchrun(tmp_path, nodes: int, endpoint: str, conf: list[str], fault: st
             if p.poll() is None:
                 os.killpg(p.pid, 9)
                 p.wait()
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "--rdzv-id=torchruntest" in " ".join(p.info["cmdline"] or [])]
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if "--rdzv-id=torchruntest" in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, "no agent or worker outlives its torchrun"
     return procs
 

@@ -9,9 +9,9 @@ import multiprocessing as mp
 
 import torch
 import torch.distributed as dist
+from runtime_harness import spawn_ranks
 
 from oobleck_elastic.elastic.store import connect_store
-from runtime_harness import spawn_ranks
 
 
 def _contend(port: int, worker: int, queue) -> None:

@@ -7,13 +7,13 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from runtime_harness import Phase, free_port, plans_for
 from torch import nn
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.models.sequential import sequential_model
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.trainer import Trainer
-from runtime_harness import Phase, free_port, plans_for
 
 BATCH, MICROBATCH = 8, 2
 

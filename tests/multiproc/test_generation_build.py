@@ -11,10 +11,10 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
+from runtime_harness import Phase, free_port, job_config, model_and_data, plans_for, spawn_ranks
 
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.trainer import Trainer
-from runtime_harness import Phase, free_port, job_config, model_and_data, plans_for, spawn_ranks
 
 
 def test_a_build_that_fails_while_making_groups_leaves_no_default_group(monkeypatch):

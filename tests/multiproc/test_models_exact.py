@@ -6,9 +6,8 @@ tests/jobs/test_models_exact_jobs.py."""
 
 from __future__ import annotations
 
-import torch
-
 import tied_model
+import torch
 from runtime_harness import Phase, run_job
 from tied_reference import OVERRIDES, plain_reference
 

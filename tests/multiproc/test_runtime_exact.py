@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from runtime_harness import Phase, reference, run_job
 
 
@@ -97,11 +96,12 @@ def test_interleaved_schedule_matches_reference(tmp_path):
 def _replay_with_dropout(rank, port, queue):
     import datetime
 
+    from runtime_harness import job_config, plans_for
+
     from examples.gpt.data import SyntheticTokens
     from examples.gpt.model import GPTConfig, gpt_model
     from oobleck_elastic.planning import WorkerRef
     from oobleck_elastic.runtime.trainer import Trainer
-    from runtime_harness import job_config, plans_for
 
     torch.set_num_threads(1)
     model = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, dropout=0.3, dataset_size=64)

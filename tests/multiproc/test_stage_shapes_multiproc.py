@@ -5,7 +5,6 @@ themselves: tests/unit/test_stage_shapes.py)."""
 from __future__ import annotations
 
 import torch
-
 from runtime_harness import Phase, reference, run_job
 
 

@@ -40,8 +40,8 @@ class Data:
 def test_a_step_that_fails_with_every_node_alive_ends_the_run_with_the_whole_error(tmp_path):
     spec = sequential_model([BreaksOnStep2()], loss=nn.functional.mse_loss,
                             sample_batch=lambda b: (torch.zeros(b, 4), torch.zeros(b, 4)))
-    cfg = load_config(None, ["train.global_batch_size=4", "train.microbatch_size=2", "train.steps=5", "data.shuffle=false",
-                             f"monitoring.metrics_path={tmp_path / 'm.jsonl'}",
+    cfg = load_config(None, ["train.global_batch_size=4", "train.microbatch_size=2", "train.steps=5",
+                             "data.shuffle=false", f"monitoring.metrics_path={tmp_path / 'm.jsonl'}",
                              f"monitoring.tensorboard_dir={tmp_path / 'tb'}", f"checkpoint.dir={tmp_path / 'ck'}",
                              f"planner.profile_dir={tmp_path / 'profiles'}", "planner.profile_iterations=1"])
     with pytest.raises(OobleckError) as info:

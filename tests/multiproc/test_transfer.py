@@ -8,13 +8,13 @@ from __future__ import annotations
 import datetime
 
 import torch
+from runtime_harness import free_port, spawn_ranks
 
 from examples.gpt.model import GPTConfig, gpt_model
 from oobleck_elastic.config import load_config
 from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime import transfer
 from oobleck_elastic.runtime.layers import LayerStore
-from runtime_harness import free_port, spawn_ranks
 
 # d_model 256: a block's weights (256 x 768 ...) go as messages of their own, its norms and
 # biases through a flat buffer; the embedding (vocab 64) is all small tensors.

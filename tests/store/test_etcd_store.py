@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-
 from etcd_server import etcd_server
+
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.store import StoreTimeout, StoreUnreachable, connect_store
 

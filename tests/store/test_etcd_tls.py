@@ -7,8 +7,8 @@ settings are one clear line (a local job on etcd with TLS: tests/jobs/test_etcd_
 from __future__ import annotations
 
 import pytest
-
 from etcd_server import enable_auth, etcd_process
+
 from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
 from oobleck_elastic.elastic.store import StoreUnreachable, connect_store
 from oobleck_elastic.errors import ConfigError

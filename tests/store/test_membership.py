@@ -8,8 +8,8 @@ import threading
 import time
 
 from oobleck_elastic.elastic.protocol import Protocol
-from oobleck_elastic.elastic.rendezvous import Heartbeat
 from oobleck_elastic.elastic.records import Outcome, StepDecision
+from oobleck_elastic.elastic.rendezvous import Heartbeat
 from oobleck_elastic.elastic.store import host_store
 
 
@@ -38,7 +38,7 @@ def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_one
 
 def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
     store = host_store("127.0.0.1", 0, "joiners")
-    for node in range(6):
+    for _ in range(6):
         Protocol(store).register({"host": "h"})
     for node in (3, 4, 5):
         Protocol(store).report_ready(node, 1)
@@ -53,7 +53,7 @@ def test_a_joining_node_is_ready_when_all_its_workers_are():
     """Issue 10, item 9: the first worker of a 2-worker node used to mark the node ready while
     its sibling was still planning."""
     store = host_store("127.0.0.1", 0, "readyall")
-    for node in range(2):
+    for _ in range(2):
         Protocol(store).register({"host": "h"})
     Protocol(store).report_ready(1, 2)
     assert Protocol(store).ready_joiners([0]) == []
@@ -108,11 +108,11 @@ def test_a_stop_request_is_carried_by_the_next_commit():
 def test_a_node_started_with_another_job_is_refused_naming_the_keys():
     """Issue 10, item 8: the first node publishes the job; another seed or batch is refused."""
     import pytest
+    from runtime_harness import model_and_data
 
     from oobleck_elastic.config import load_config
     from oobleck_elastic.elastic.job import job_description
     from oobleck_elastic.errors import OobleckError
-    from runtime_harness import model_and_data
 
     def job(sets, workers=1):
         return job_description(load_config(None, sets), model_and_data("gpt")[0], workers)
@@ -134,12 +134,12 @@ def test_a_node_whose_model_or_tokens_hold_other_contents_is_refused(tmp_path):
     other tokens at the same path is refused, naming it (issue 30, item 10), from a digest that
     reads about 1 MiB of each file, not the whole of it."""
     import pytest
-
     from hf_fixtures import make_causal_lm, write_tokens
+    from runtime_harness import model_and_data
+
     from oobleck_elastic.config import load_config
     from oobleck_elastic.elastic.job import job_description
     from oobleck_elastic.errors import OobleckError
-    from runtime_harness import model_and_data
 
     spec = model_and_data("gpt")[0]
     model, tokens = tmp_path / "model", tmp_path / "tokens.bin"

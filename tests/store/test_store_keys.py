@@ -8,8 +8,8 @@ import contextlib
 
 import pytest
 import torch.distributed as dist
-
 from generation_records import record
+
 from oobleck_elastic.elastic.protocol import RECORDS, Protocol
 from oobleck_elastic.elastic.store import connect_store, host_store
 

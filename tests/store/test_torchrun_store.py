@@ -6,12 +6,12 @@ torchrun: tests/jobs/test_torchrun.py)."""
 from __future__ import annotations
 
 import pytest
+from etcd_server import etcd_server
+from runtime_harness import free_port
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from etcd_server import etcd_server
 from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
-from runtime_harness import free_port
 
 
 def test_torch_finds_the_handler_through_its_entry_point():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 
 import pytest
+from runtime_harness import templates_for
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.elastic.protocol import Fenced
@@ -14,7 +15,6 @@ from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.elastic.run import Run
 from oobleck_elastic.planning import WorkerRef, build_instantiation, layer_holders
 from oobleck_elastic.planning.values import to_jsonable
-from runtime_harness import templates_for
 
 TEMPLATES = templates_for(6, 6)
 BASE = build_instantiation([TEMPLATES.get(2), TEMPLATES.get(3)], [(0, 1), (2, 3, 4)], 24, 2)
@@ -36,7 +36,8 @@ class Trainer:
 
 def run_for(node: int, held, completed: int) -> tuple[Run, list]:
     run = Run.__new__(Run)  # no store, no process group: only the decision is under test
-    run.me, run.cfg, run.templates = WorkerRef(node, 0), load_config(None, ["checkpoint.dir=ckpt", "train.global_batch_size=24", "train.microbatch_size=2"]), TEMPLATES
+    run.me, run.templates = WorkerRef(node, 0), TEMPLATES
+    run.cfg = load_config(None, ["checkpoint.dir=ckpt", "train.global_batch_size=24", "train.microbatch_size=2"])
     run.trainer, run.records, run.last_transfers = Trainer(held, completed), {}, []
     run.checkpoints = types.SimpleNamespace(restored_step=None)
     built = []

@@ -78,7 +78,8 @@ def test_bad_values_name_field_value_and_accepted(tmp_path, overrides, expected)
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("train.optimizer.name=AdamX", "train.optimizer.name 'AdamX' is not a torch.optim optimizer (did you mean 'Adam'?)"),
+    ("train.optimizer.name=AdamX",
+     "train.optimizer.name 'AdamX' is not a torch.optim optimizer (did you mean 'Adam'?)"),
     ("train.optimizer.lrr=0.1", "train.optimizer.lrr is not an argument of torch.optim.AdamW (did you mean 'lr'?)"),
 ])
 def test_optimizer_is_checked_against_torch_before_any_worker_starts(tmp_path, capsys, override, expected):

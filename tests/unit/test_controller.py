@@ -6,15 +6,36 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from runtime_harness import templates_for
 
 from oobleck_elastic.elastic.controller import (
-    Admitted, Build, BuildFailed, Built, Controller, EvalDone, Evaluate, Exit, FencedOut, Finish, Finished, GiveUp,
-    MAX_REPLAYS_WITHOUT_LOSS, Grow, IllegalTransition, Join, Proposed, Recover, RunOver, Started, State, StepDone,
-    StepFailed, Train,
+    MAX_REPLAYS_WITHOUT_LOSS,
+    Admitted,
+    Build,
+    BuildFailed,
+    Built,
+    Controller,
+    EvalDone,
+    Evaluate,
+    Exit,
+    FencedOut,
+    Finish,
+    Finished,
+    GiveUp,
+    Grow,
+    IllegalTransition,
+    Join,
+    Proposed,
+    Recover,
+    RunOver,
+    Started,
+    State,
+    StepDone,
+    StepFailed,
+    Train,
 )
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.planning import build_instantiation
-from runtime_harness import templates_for
 
 TEMPLATES = templates_for(6, 6)
 

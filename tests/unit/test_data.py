@@ -10,13 +10,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hf_fixtures import DOCS, make_tokenizer
 
-from hf_fixtures import DOCS, make_tokenizer, texts, tokenizer_dir  # noqa: F401 (fixtures)
 from oobleck_elastic.config.schema import DataConfig
 from oobleck_elastic.data import TokenFile
 from oobleck_elastic.data.prepare import choose_dtype, main
 from oobleck_elastic.errors import ConfigError
-
 
 
 def write_tokens(path, values, dtype="uint16"):

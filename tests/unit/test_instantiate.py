@@ -8,10 +8,10 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_profiles import random_profile, small_cluster
 
 from oobleck_elastic.errors import InfeasibleBatchError, PlanningError
 from oobleck_elastic.planning import Instantiation, dumps, instantiate, loads, plan_templates, split_batch
-from random_profiles import random_profile, small_cluster
 
 
 def check_instantiation(inst, ts, nodes, global_batch, microbatch):

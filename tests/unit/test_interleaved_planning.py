@@ -8,12 +8,12 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_profiles import random_profile, small_cluster
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.errors import ConfigError, InfeasibleBatchError
 from oobleck_elastic.planning import instantiate, plan_template, plan_templates, split_batch
 from oobleck_elastic.planning.cost import CostTables, interleaved_in_flight
-from random_profiles import random_profile, small_cluster
 
 
 def test_stages_cycle_over_the_workers_and_memory_is_per_worker():

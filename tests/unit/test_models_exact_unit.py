@@ -5,10 +5,10 @@ architecture (its exact training: tests/multiproc/test_models_exact.py)."""
 from __future__ import annotations
 
 import pytest
+import tied_model
 import torch
 from torch import nn
 
-import tied_model
 from oobleck_elastic.models.sequential import sequential_model
 from oobleck_elastic.runtime.model import materialize_layer
 
@@ -19,7 +19,8 @@ def test_sequential_adapter_names_ties_and_groups():
     assert [g.members for g in spec.shared] == [((0, "0.weight"), (3, "3.weight"))]  # found by identity
     head = materialize_layer(spec, 3, seed=0, dtype=torch.float64)
     embed = materialize_layer(spec, 0, seed=0, dtype=torch.float64)
-    assert list(head.state_dict()) == ["3.weight"] and torch.equal(head.state_dict()["3.weight"], embed.state_dict()["0.weight"])
+    assert list(head.state_dict()) == ["3.weight"]
+    assert torch.equal(head.state_dict()["3.weight"], embed.state_dict()["0.weight"])
     block = materialize_layer(spec, 1, seed=0, dtype=torch.float64)
     assert set(block.state_dict()) == {"1.norm.weight", "1.norm.bias", "1.fc.weight", "1.fc.bias", "1.scale"}
     with pytest.raises(ValueError, match="no layer is named 'x'"):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from runtime_harness import templates_for
 
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome, RecordError, Resumed, StepDecision
 from oobleck_elastic.planning import build_instantiation, layer_holders
 from oobleck_elastic.planning.recovery import Base, NoCheckpointError, is_replay, plan_next, transfers_between
-from runtime_harness import templates_for
 
 TEMPLATES = templates_for(6, 6)
 BASE = Base(3, build_instantiation([TEMPLATES.get(2), TEMPLATES.get(3)], [(0, 1), (2, 3, 4)], 24, 2))

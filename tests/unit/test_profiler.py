@@ -40,7 +40,8 @@ def test_profile_measures_sizes_exactly():
         module = materialize_layer(spec, i, seed=0, dtype=torch.float32)
         params = sum(q.numel() * 4 for q in module.parameters())
         assert x.param_bytes == params and x.grad_bytes == params
-        assert 2 * params <= x.optimizer_bytes <= 2 * params + 64 * len(list(module.parameters()))  # AdamW moments + step
+        # AdamW moments + step
+        assert 2 * params <= x.optimizer_bytes <= 2 * params + 64 * len(list(module.parameters()))
         assert x.forward_ms > 0 and x.backward_ms > 0
     assert p.layers[1].output_bytes == 4 * 8 * 16 * 4  # microbatch x seq x d_model x float32
     assert p.layers[1].activation_bytes > p.layers[1].output_bytes

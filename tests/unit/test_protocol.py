@@ -9,8 +9,8 @@ import itertools
 from typing import Any
 
 import pytest
-
 from generation_records import record
+
 from oobleck_elastic.elastic.protocol import Protocol, StepAborted, WaitTimeout, wait_until
 from oobleck_elastic.elastic.records import Outcome, RecordError, StepDecision
 from oobleck_elastic.elastic.store import MembershipStore, StoreTimeout, StoreUnreachable

@@ -7,6 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_profiles import random_profile, small_cluster
 
 from oobleck_elastic.errors import LayersLostError
 from oobleck_elastic.planning import (
@@ -21,7 +22,6 @@ from oobleck_elastic.planning import (
     reconfigure,
     synthetic_gpt,
 )
-from random_profiles import random_profile, small_cluster
 
 
 def check_plan(ts, before, plan, lost, joined):

@@ -15,12 +15,22 @@ import pytest
 from oobleck_elastic.config import load_config
 from oobleck_elastic.errors import ConfigError
 from oobleck_elastic.planning import Cluster, synthetic_gpt
-from oobleck_elastic.planning.recovery import Base, plan_next, transfers_between
 from oobleck_elastic.planning.reconfigure import Transfer, WorkerRef
+from oobleck_elastic.planning.recovery import Base, plan_next, transfers_between
 from oobleck_elastic.simulate import main
 from oobleck_elastic.simulation import (
-    Baselines, RecoveryConstants, RestartBaseline, SimJob, Trace, TraceEvent, fit_constants, fixed_trace, load_csv,
-    parse_duration, poisson_trace, simulate,
+    Baselines,
+    RecoveryConstants,
+    RestartBaseline,
+    SimJob,
+    Trace,
+    TraceEvent,
+    fit_constants,
+    fixed_trace,
+    load_csv,
+    parse_duration,
+    poisson_trace,
+    simulate,
 )
 from oobleck_elastic.simulation.recovery_cost import default_constants, transfer_seconds
 
@@ -149,7 +159,8 @@ def test_fitting_a_log_without_failures_says_how_to_make_one(tmp_path):
 def test_the_shipped_constants_say_where_they_come_from():
     constants = default_constants()
     assert constants.in_memory_records >= 2 and constants.step_records > 0
-    assert "benchmarks/recovery_constants.py" in constants.source and constants.describe().startswith("recovery constants: detect")
+    assert "benchmarks/recovery_constants.py" in constants.source
+    assert constants.describe().startswith("recovery constants: detect")
 
 
 def test_transfer_time_is_the_busiest_workers_bytes_over_the_bandwidth():
@@ -210,7 +221,7 @@ def test_our_runtime_shares_the_planners_code_path_with_the_runtime():
               TraceEvent(time_s=150, kind="remove", node=4))  # the last one loses layers: checkpoint fallback
     (ours,) = simulate(job, Trace(name="t", nodes=5, events=events, duration_s=200), CONSTANTS, systems=["oobleck"])
     templates = job.plan(5).templates
-    base, live, step_of = Base(0, job.plan(5).instantiation), set(range(5)), {}
+    base, live = Base(0, job.plan(5).instantiation), set(range(5))
     assert [c.node for c in ours.changes] == [1, 5, 3, 5, 4]
     for generation, change in enumerate(ours.changes, start=1):
         live = live - {change.node} if change.kind == "remove" else live | {change.node}

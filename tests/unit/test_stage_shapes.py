@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from runtime_harness import TINY
 from torch import nn
 
 from examples.gpt.data import SyntheticTokens
@@ -16,7 +17,6 @@ from oobleck_elastic.models.sequential import sequential_model
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.model import boundary_activations, materialize_layer
 from oobleck_elastic.runtime.trainer import Trainer
-from runtime_harness import TINY
 
 
 def test_boundaries_are_what_a_real_forward_produces():

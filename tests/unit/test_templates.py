@@ -9,6 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_profiles import random_profile, small_cluster
 
 from oobleck_elastic.errors import PlanningError
 from oobleck_elastic.planning import (
@@ -22,7 +23,6 @@ from oobleck_elastic.planning import (
     synthetic_gpt,
     template_from_bounds,
 )
-from random_profiles import random_profile, small_cluster
 
 
 def brute_force(profile, cluster, nodes, microbatches, wide=False, pipelines=1):

@@ -11,6 +11,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hf_fixtures import make_causal_lm, write_tokens  # noqa: E402
+
 from oobleck_elastic.launch import main as launch  # noqa: E402
 
 
