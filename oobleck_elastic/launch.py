@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "virtual_local_rank", False):
+            raise OobleckError("--virtual-local-rank gives every worker of a node LOCAL_RANK 0, so all of them "
+                               "would take the same place in the run: drop the flag (each worker gets its own GPU "
+                               "by LOCAL_RANK)")
         if args.oobleck_node:
             return run_node(args)
         cfg = job_config_of(args.training_script_args)

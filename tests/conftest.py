@@ -1,4 +1,4 @@
-"""Shared fixtures, and the tiers: each folder under tests/ is one tier (README, "Tests").
+"""Shared fixtures, and the tiers: each folder under tests/ is one tier (docs/testing.md, "Tiers").
 
 unit       no process, no socket, no process group, no store: seconds
 store      a real store in this process (the embedded TCPStore, or an etcd server used as a store)

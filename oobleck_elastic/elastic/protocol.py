@@ -71,7 +71,7 @@ __all__ = ["Fenced", "Protocol", "StepAborted", "WaitTimeout", "wait_until"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# The keys a run leaves behind (Note: [store keys]); README: etcd keys.
+# The keys a run leaves behind (Note: [store keys]); docs/launching.md, "etcd keys".
 RECORDS = re.compile(r"generation(/\d+)?|recovery/\d+|progress|done|resumed|failed|start_error|stop|closed"
                      r"|limits|job|instance|profile|nodes/next|nodes/\d+(/dead|/left)?|checkpoint/\d+/damaged")
 # a generation's working keys, but its checkpoint counts: a background write may still add to one

@@ -1,6 +1,6 @@
 """What crosses the membership store, as frozen values with one versioned JSON encoding each:
 generation records, step decisions, dead marks. Everything read from the store is parsed here
-and checked before anything acts on it (README: trust model); the store's keys and calls are
+and checked before anything acts on it (docs/recovery.md, "Trust model"); the store's keys and calls are
 elastic/protocol.py's."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class RecordError(OobleckError):
 
 def _refuse(what: str, exc: Exception) -> RecordError:
     return RecordError(f"{what} in the membership store is not one this job wrote ({exc}); only the job's own "
-                       "nodes may write to its store (README: trust model)")
+                       "nodes may write to its store (docs/recovery.md, Trust model)")
 
 
 def _ints(value: Any, name: str) -> tuple[int, ...]:

@@ -62,6 +62,8 @@ import time
 import traceback
 from typing import cast
 
+import torch
+
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.controller import (
@@ -116,6 +118,26 @@ class CheckpointMissing(RuntimeError):
 
 
 STEP_ERRORS = (RuntimeError, StepAborted)  # gloo errors are RuntimeErrors
+
+
+class DeviceFailed(OobleckError):
+    """This worker's GPU failed (a CUDA error leaves its context unusable): the worker ends,
+    and its node is lost like any other."""
+
+
+def device_error(exc: BaseException, cfg: JobConfig, step: int) -> OobleckError | None:
+    """What a step's error means when it is this worker's own device, not a peer: running out
+    of memory fails the run (a replay would run out again, as would every worker of the same
+    plan), a CUDA error ends this worker; None for anything else (a peer's failure)."""
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return RunFailed(f"a worker ran out of memory in step {step} ({first}); the plan assumed "
+                         f"planner.memory_per_worker={cfg.planner.memory_per_worker} bytes a worker: set it to "
+                         "what a worker really has free, or use a smaller train.microbatch_size")
+    if isinstance(exc, torch.AcceleratorError):
+        return DeviceFailed(f"this worker's device failed in step {step} ({first}); the worker ends and its "
+                            "node is recovered from like a lost one")
+    return None
 
 
 def _cause(exc: BaseException, during: str = "") -> tuple[str, str]:
@@ -217,6 +239,9 @@ class Run:
                                         "again")
             return Finished()
         except STEP_ERRORS as exc:
+            own = device_error(exc, self.cfg, self.trainer.completed_steps)
+            if own is not None:
+                raise own from None
             cause, error = _cause(exc)
             self.failed_at = time.time()
         if at_barrier and self._end_recorded():
@@ -304,6 +329,8 @@ class Run:
 
     def join(self) -> object:
         """A node started after the run began: gets ready and waits to be admitted."""
+        if self.fault:
+            self.fault("join", step=0)  # before it says it is ready (a slow joiner, in tests)
         self.protocol.report_ready(self.me.node, self.who.local_world_size)
         self.log.info("ready to join; waiting for admission")
         timeout = self.cfg.elastic.join_timeout_s

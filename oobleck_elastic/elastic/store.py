@@ -56,7 +56,7 @@ class StoreAddressInUse(OobleckError):
 def _listen(host: str, port: int) -> int:
     """A socket listening on `host`:`port` exactly (port 0: any free one), as a file descriptor
     for TCPStore to take over. Left to itself, a TCPStore server listens on every interface,
-    whatever host it is given (README: trust model)."""
+    whatever host it is given (docs/recovery.md, "Trust model")."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)

@@ -19,9 +19,14 @@ Note: [devices]
     watchdog abort the failed communicator without killing the process (torch's default, 3,
     kills it, and 1 aborts and kills; a survivor must live on to rebuild). Destroying a group
     whose communicator is stuck would wait on it, so a generation on CUDA aborts its
-    communicators instead (`abort_groups`) and never waits on the old generation.
+    communicators instead (`abort_groups`) and never waits on the old generation; an abort
+    that fails or hangs ends the worker. Every communicator is created while the generation
+    is built (eagerly, `device_id` given to init_process_group, then a warm-up in one global
+    order: runtime/communicators.py), non-blocking with the collective timeout as its bound
+    (TORCH_NCCL_USE_COMM_NONBLOCKING, TORCH_NCCL_NONBLOCKING_TIMEOUT), and after a teardown
+    the allocator's cache is emptied so the next generation's NCCL buffers find memory.
 
-    The CUDA path is written but unverified: this project's machines had no GPU (README:
+    The CUDA path is written but unverified: this project's machines had no GPU (docs/gpus.md:
     Precision and devices).
 """
 
@@ -29,13 +34,17 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 
 from oobleck_elastic.errors import ConfigError
 
-__all__ = ["resolve_device", "backend_for", "prepare_backend", "abort_groups"]
+__all__ = ["ABORT_FAILED_EXIT", "ABORT_TIMEOUT_S", "resolve_device", "backend_for", "prepare_backend", "abort_groups"]
+
+ABORT_TIMEOUT_S = 30.0  # an abort that takes longer is taken as failed
+ABORT_FAILED_EXIT = 86  # this worker's exit status when its communicators could not be aborted
 
 logger = logging.getLogger(__name__)
 
@@ -63,19 +72,26 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def prepare_backend(device: torch.device) -> None:
+def prepare_backend(device: torch.device, timeout_s: float = 600.0) -> None:
     """Makes NCCL waits blocking and its async error handling "clean up only" before the first
     NCCL communicator exists, so an operation that outlives its group's timeout raises in the
-    worker, which lives on (Note: [devices]). A value the user set is kept."""
+    worker, which lives on (Note: [devices]); communicators are created non-blocking, so a
+    creation fails after `timeout_s` (the collective timeout) instead of waiting for ever on a
+    dead peer. A value the user set is kept."""
     if device.type == "cuda":
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # creating a communicator must not wait for ever on a peer that died meanwhile
+        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(max(timeout_s, 1))))
 
 
 def abort_groups(device: torch.device) -> None:
     """Aborts every communicator of the current default group and its subgroups (CUDA), never
-    waiting on a peer that may be dead; on the CPU nothing is needed (gloo's sockets close
-    when the groups are destroyed)."""
+    waiting on a peer that may be dead; an abort that fails or takes over ABORT_TIMEOUT_S ends
+    this process (exit status ABORT_FAILED_EXIT): a destroy instead would wait on every
+    outstanding kernel. On the CPU nothing is needed (gloo's sockets close when the groups are
+    destroyed)."""
     if device.type != "cuda" or not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -83,7 +99,22 @@ def abort_groups(device: torch.device) -> None:
         logger.warning("torch %s has no _abort_process_group; NCCL communicators are destroyed, not aborted",
                        torch.__version__)
         return
-    try:
-        abort()  # the default group and every subgroup; afterwards no group is initialised
-    except Exception as exc:  # the communicators may already have failed: tearing down goes on
-        logger.warning("aborting the generation's NCCL communicators failed: %s", exc)
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            abort()  # the default group and every subgroup; afterwards no group is initialised
+        except BaseException as exc:  # noqa: BLE001 - reported below, from the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="oobleck-nccl-abort", daemon=True).start()
+    if not done.wait(ABORT_TIMEOUT_S) or failure:
+        # a destroy would wait on every outstanding kernel, a dead peer's included: this worker
+        # ends instead, and its node is lost like any other
+        why = f"failed: {failure[0]}" if failure else f"did not return within {ABORT_TIMEOUT_S:.0f} s"
+        logger.error("aborting the generation's NCCL communicators %s; this worker exits", why)
+        logging.shutdown()
+        os._exit(ABORT_FAILED_EXIT)

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from oobleck_elastic.planning import WorkerRef
+from oobleck_elastic.runtime.communicators import Communicator, communicators, creation_order, tie_communicator
 from oobleck_elastic.runtime.devices import abort_groups, backend_for, prepare_backend
 from oobleck_elastic.runtime.layers import LayerStore, flatten, unflatten
 from oobleck_elastic.runtime.plan import GenerationPlan, StageRole
@@ -139,6 +140,7 @@ class Generation:
         self.pipeline_group = None
         self.grad_groups: list[tuple[object, tuple[int, ...]]] = []
         self.tie_groups: list[_TieGroup] = []
+        self.communicators: list[Communicator] = []
         self._tied: dict[int, set[str]] = {}
         self.stages: list[_Stage] = []
         self.stage_modules: list[StageModule] = []
@@ -155,9 +157,12 @@ class Generation:
         self._fault = fault
         self._closed = True  # until the default group exists
         _count_group_names_from_zero()
-        prepare_backend(layers.device)
+        prepare_backend(layers.device, timeout.total_seconds())
+        # on CUDA, device_id makes NCCL create each group's communicator in new_group (eagerly),
+        # in the global order of Note: [communicator order], not at its first use in a step
+        device_id = layers.device if layers.device.type == "cuda" else None
         dist.init_process_group(backend_for(layers.device), store=dist.PrefixStore(f"gen{plan.generation}", store),
-                                rank=self.rank, world_size=len(plan.members), timeout=timeout)
+                                rank=self.rank, world_size=len(plan.members), timeout=timeout, device_id=device_id)
         self._closed = False
         try:
             self._fault("bootstrap")
@@ -170,40 +175,44 @@ class Generation:
             raise
 
     def _make_groups(self, plan: GenerationPlan, timeout: timedelta) -> None:
-        # Every rank creates every group, in the same order (new_group is collective).
-        for pipe_rank_sets in self._pipeline_rank_sets():
-            group = dist.new_group(sorted(pipe_rank_sets), timeout=timeout)
-            if self.role is not None and self.rank in pipe_rank_sets:
+        """Every group of the generation, created and then used once in the one global order
+        (runtime/communicators.py, Note: [communicator order]): no communicator is left to be
+        created at its first use in a step."""
+        shared = [{layer for layer, _ in s.members} for s in self.layers.model.shared]
+        self.communicators = communicators(plan, shared)
+        # new_group is collective: every rank creates every group, in the list's order
+        made = {c: dist.new_group(list(c.ranks), timeout=timeout) for c in self.communicators if c.kind != "p2p"}
+        for comm, group in made.items():
+            if self.rank not in comm.ranks:
+                continue
+            if comm.kind == "pipeline" and self.role is not None:
                 self.pipeline_group = group
-        for ranks, layer_ids in plan.replica_sets:
-            group = dist.new_group(list(ranks), timeout=timeout)
-            if self.rank in ranks:
-                self.grad_groups.append((group, layer_ids))
-        self.tie_groups, self._tied = self._make_tie_groups(timeout)
-
-    def _make_tie_groups(self, timeout: timedelta) -> tuple[list[_TieGroup], dict[int, set[str]]]:
-        """One group per tied parameter over every rank holding a copy (runtime.model Note:
-        [tied parameters]), and the tied names of each held layer (left out of the per-layer
-        sums: their gradient is summed over all copies instead)."""
+            elif comm.kind == "replica":
+                self.grad_groups.append((group, comm.layers))
         held = set(self.held_layers())
-        groups: list[_TieGroup] = []
-        tied: dict[int, set[str]] = {}
-        for shared in self.layers.model.shared:
-            layers_of = {layer for layer, _ in shared.members}
-            ranks = sorted(r for r, role in self.plan.roles.items() if layers_of & set(role.layer_ids))
-            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-            mine = [(layer, name) for layer, name in shared.members if layer in held]
+        for layers, tied in zip(shared, self.layers.model.shared):
+            mine = [(layer, name) for layer, name in tied.members if layer in held]
             if mine:
-                groups.append((group, mine))
+                self.tie_groups.append((made.get(tie_communicator(plan, layers)), mine))
                 for layer, name in mine:
-                    tied.setdefault(layer, set()).add(name)
-        return groups, tied
+                    self._tied.setdefault(layer, set()).add(name)
+        self._warm_up(made)
 
-    def _pipeline_rank_sets(self) -> list[set[int]]:
-        sets: dict[int, set[int]] = {}
-        for rank, role in self.plan.roles.items():
-            sets.setdefault(role.pipeline, set()).add(rank)
-        return [sets[p] for p in sorted(sets)]
+    def _warm_up(self, made: dict[Communicator, dist.ProcessGroup]) -> None:
+        """Uses each of this rank's communicators once, down the global list: a collective of
+        one element on each group, one message each way between neighbouring stages."""
+        one = torch.zeros(1, device=self.layers.device)
+        for comm in creation_order(self.communicators, self.rank):
+            if comm.kind != "p2p":
+                dist.all_reduce(one, group=made[comm])
+                continue
+            low, high = comm.ranks
+            if self.rank == low:
+                dist.send(one, dst=high, group=self.pipeline_group)
+                dist.recv(one, src=high, group=self.pipeline_group)
+            else:
+                dist.recv(one, src=low, group=self.pipeline_group)
+                dist.send(one, dst=low, group=self.pipeline_group)
 
     def build_schedule(self, boundaries: list[torch.Tensor] | None = None) -> None:
         """Builds this worker's stages and schedule once its layers are in place. `boundaries`:
@@ -372,6 +381,10 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        # CUDA: the communicators are aborted before anything they may still write to is freed,
+        # and never waited on (a dead peer's kernels would spin for ever); an abort that fails
+        # ends this worker (devices.abort_groups)
+        abort_groups(self.layers.device)
         self.schedule = None
         self.stages = []
         self.stage_modules = []
@@ -382,9 +395,10 @@ class Generation:
         self.grad_groups = []
         self.tie_groups = []
         try:
-            abort_groups(self.layers.device)  # CUDA: never wait on a dead peer's communicator
-            if dist.is_initialized():
+            if dist.is_initialized():  # gloo (CUDA's groups are gone once aborted)
                 dist.destroy_process_group()
         finally:
             gc.collect()
             _return_freed_memory()
+            if self.layers.device.type == "cuda":  # the next generation's NCCL set-up needs it
+                torch.cuda.empty_cache()

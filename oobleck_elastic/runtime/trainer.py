@@ -97,7 +97,8 @@ class Trainer:
             except Exception as exc:  # a layer with data-dependent control flow, say
                 logger.warning("%s: the model does not run on the meta device (%s: %s), so pipeline stages "
                                "exchange their shapes at each generation's first step, as pickles "
-                               "(README: trust model)", self.me, type(exc).__name__, str(exc).splitlines()[0][:160])
+                               "(docs/recovery.md, Trust model)", self.me, type(exc).__name__,
+                               str(exc).splitlines()[0][:160])
                 self._boundaries = []
         return self._boundaries or None
 

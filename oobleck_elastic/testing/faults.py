@@ -43,7 +43,7 @@ __all__ = ["Fault", "parse_faults", "FaultInjector", "KillRecorder", "PHASES"]
 ACTIONS = ("kill", "stop", "slow", "raise", "glitch", "term")
 PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "bootstrap", "build", "transfer",
           "transfer_send", "transfer_receive", "agreement", "restore", "checkpoint", "eval", "grow", "admit",
-          "finish")
+          "finish", "join")
 AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fire at
 
 

@@ -3,7 +3,7 @@ against the CPU float32 run, and layer state moved device to device.
 
 Every test here is marked `gpu` and skipped, saying why, where torch sees no (or too few)
 GPUs. None of them has run yet: this project's machines had no GPU, so the CUDA path is
-unverified (README: Precision and devices)."""
+unverified (docs/gpus.md)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,43 @@ def test_layer_state_moves_device_to_device(tmp_path):
     assert sent.keys() == received.keys() and len(sent) > 2
     for key in sent:
         assert sent[key].dtype == received[key].dtype and torch.equal(sent[key], received[key])
+
+
+def _alone(tmp_path, name: str, sets: list[str], steps: int = 8) -> list[dict]:
+    """One worker trains the GPT example alone with `sets`; its metrics log."""
+    args = ["--config", str(ROOT / "examples/gpt/config.yaml"), "--set", f"train.steps={steps}",
+            "--set", "planner.memory_per_worker=1GB", "--set", f"planner.profile_dir={tmp_path / 'profiles' / name}",
+            "--set", f"monitoring.metrics_path={tmp_path / name / 'm.jsonl'}",
+            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}",
+            "--set", f"checkpoint.dir={tmp_path / name / 'ck'}"]
+    for s in sets:
+        args += ["--set", s]
+    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return records(tmp_path / name / "m.jsonl")
+
+
+@pytest.mark.parametrize("dtype, rel", [("float64", 1e-9), ("float32", 1e-4)])
+def test_one_worker_on_cuda_follows_the_cpu_run(tmp_path, dtype, rel):
+    """The same job, one worker, on the GPU and on the CPU: the losses of every step agree to
+    the dtype's rounding (GPU kernels sum in another order, so not bit for bit)."""
+    need_gpus(1)
+    runs = {device: _alone(tmp_path, device, [f"train.device={device}", f"train.dtype={dtype}"])
+            for device in ("cpu", "cuda")}
+    losses = {d: {r["step"]: r["loss"] for r in log if "step" in r and "event" not in r} for d, log in runs.items()}
+    assert sorted(losses["cuda"]) == list(range(8))
+    for step, loss in losses["cuda"].items():
+        assert loss == pytest.approx(losses["cpu"][step], rel=rel), f"step {step}"
+
+
+def test_a_cuda_run_resumes_from_its_checkpoint_exactly(tmp_path):
+    """Stopped after 4 steps with a checkpoint and resumed to 8 on the GPU: the same final
+    weights as 8 steps in one go on the GPU (float64; the same kernels run in the same order)."""
+    need_gpus(1)
+    cuda = ["train.device=cuda", "train.dtype=float64"]
+    whole = _alone(tmp_path, "whole", cuda)
+    _alone(tmp_path, "parts", [*cuda, "checkpoint.interval=4"], steps=4)
+    resumed = _alone(tmp_path, "parts", [*cuda, "checkpoint.resume=auto"], steps=8)
+    assert [r["step"] for r in resumed if "step" in r and "event" not in r][-1] == 7
+    assert_matches([r for r in resumed if r.get("event") == "final"][-1],
+                   [r for r in whole if r.get("event") == "final"][-1], rel=1e-12)

@@ -55,6 +55,7 @@ def test_a_lone_survivor_waits_for_a_replacement_and_restores_the_checkpoint_wit
     node started meanwhile (elastic.join_timeout_s) and restores the checkpoint with it, exactly
     (the chaos run found a single survivor ending the run with a planning error)."""
     kills = ";".join(f"node={n},step=3,phase=backward" for n in (1, 2, 3))
+    kills += ";node=4,step=0,phase=join,action=slow,seconds=4"  # node 4 is ready after the kills
     log = run_job(tmp_path, 4, kills, ("--oobleck-add-node-at-step=3",),
                   ("--set", "checkpoint.interval=2", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"))
     recoveries = [r for r in log if r.get("event") == "recovery"]
@@ -76,7 +77,8 @@ def test_every_member_lost_while_nodes_wait_to_join_the_joiners_restore_the_chec
     they used to wait out elastic.join_timeout_s and the job ended."""
     kills = ";".join(f"node={n},step=3,phase=backward" for n in (0, 1))
     # started after step 0 (the launcher would stop at once if every node had died first), ready
-    # seconds later (importing, profiling), long after the kills
+    # seconds later, long after the kills
+    kills += "".join(f";node={n},step=0,phase=join,action=slow,seconds=4" for n in (2, 3))
     log = run_job(tmp_path, 2, kills, ("--oobleck-add-node-at-step=1", "--oobleck-add-node-at-step=1"),
                   ("--set", "planner.memory_per_worker=1GB", "--set", "checkpoint.interval=2",
                    "--set", "checkpoint.background=false",  # the checkpoint of step 2 is whole before step 3

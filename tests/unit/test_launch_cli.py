@@ -30,3 +30,22 @@ def test_local_nodes_get_gpus_no_running_node_holds():
     with pytest.raises(OobleckError, match=r"local node 3 needs 2 GPU\(s\) of its own but 1 of this machine's 4 are "
                                            r"free \(running nodes hold \[0, 1, 3\]\).*--oobleck-local-nodes"):
         free_gpus(4, {0, 1, 3}, 2, node=3)
+
+
+def test_virtual_local_rank_is_refused_before_anything_starts(capsys):
+    from oobleck_elastic.launch import main
+
+    assert main(["--virtual-local-rank", "--oobleck-local-nodes=2", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --virtual-local-rank gives every worker")
+
+
+def test_workers_are_forked_unless_spawn_is_asked_for():
+    import sys
+
+    from oobleck_elastic.launch import build_parser
+    from oobleck_elastic.launcher.forked_workers import forks
+
+    assert build_parser().parse_args(["train.py"]).start_method == "fork"
+    assert forks("fork", sys.executable) and forks("forkserver", sys.executable)
+    assert not forks("spawn", sys.executable) and not forks("fork", "/usr/bin/my-binary")

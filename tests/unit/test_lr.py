@@ -12,7 +12,7 @@ from oobleck_elastic.runtime.lr import _rates, lr_factor
 
 
 def spec(schedule: LRScheduleConfig, step: int, total: int) -> float:
-    """The schedule as the README states it: linear warm-up to 1, then the decay to min_ratio
+    """The schedule as docs/configuration.md states it: linear warm-up to 1, then the decay to min_ratio
     at the last step."""
     if step < schedule.warmup_steps:
         return (step + 1) / schedule.warmup_steps

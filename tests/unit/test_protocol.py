@@ -327,7 +327,7 @@ def test_a_joiner_stops_waiting_when_the_run_failed(store, clock):
     from oobleck_elastic.planning import WorkerRef
 
     run = Run.__new__(Run)
-    run.protocol, run.me = protocol(store, clock), WorkerRef(5, 0)
+    run.protocol, run.me, run.fault = protocol(store, clock), WorkerRef(5, 0), None
     run.who, run.log = types.SimpleNamespace(local_world_size=1), logging.getLogger("test")
     run.cfg = load_config(None, ["elastic.join_timeout_s=300"])
     store.set_json("generation", record(0).to_json())
