@@ -366,11 +366,16 @@ class Protocol:
         A failure is known here, so a member that has not checked in is dead as soon as its
         lease has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease
         timeout. The dead are marked so (a node that joined once and died is never admitted),
-        and a node marked dead is dead here even if it answers (its workers fence themselves)."""
+        and a node marked dead is dead here even if it answers (its workers fence themselves);
+        a worker whose own node is marked dead gets ([], [its node]) at once."""
         self.store.set_json(f"rollcall/{generation}/started", True)
         self.store.set_json(f"rollcall/{generation}/{me[0]}/{me[1]}", True)
         deadline = self.clock() + timeout
         while True:
+            if self.store.try_get_json(f"nodes/{me[0]}/dead") is not None:
+                # the others went on without this node (it hung, or was cut off): it is fenced at
+                # once, not at the deadline, and marks nobody
+                return [], [me[0]]
             present = {n for n in members if all(self.store.try_get_json(f"rollcall/{generation}/{n}/{w}")
                                                  for w in range(workers_per_node))}
             # a death mark is final, even on a node that answers: another survivor's roll call
@@ -419,10 +424,19 @@ class Protocol:
 
     def failed_at(self, node: int) -> float | None:
         """Wall time of the first sign of `node`'s failure: a fault injector's record of the
-        kill, else when it was marked dead, else its last observed lease renewal."""
-        for key in (f"faults/{node}", f"nodes/{node}/dead"):
-            if (record := self.store.try_get_json(key)) is not None:
-                return record.get("time", record.get("at"))
+        kill; else the earlier of its lease's last renewal (a node that fails silently gives no
+        other sign: its lease stands still from then; the time is the writer's clock) and its
+        mark of death; else its last renewal observed here."""
+        kill = self.store.try_get_json(f"faults/{node}")
+        if isinstance(kill, dict) and isinstance(kill.get("time"), (int, float)):
+            return float(kill["time"])
+        signs = []
+        for key, field in ((f"lease/{node}", "at"), (f"nodes/{node}/dead", "at")):
+            record = self.store.try_get_json(key)
+            if isinstance(record, dict) and isinstance(record.get(field), (int, float)):
+                signs.append(float(record[field]))
+        if signs:
+            return min(signs)
         if node in self._seen:
             beat, seen = self._seen[node]
             if isinstance(beat, dict) and isinstance(beat.get("at"), (int, float)):

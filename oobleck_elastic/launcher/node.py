@@ -53,7 +53,12 @@ def run_node(args: argparse.Namespace, cfg: JobConfig | None = None) -> int:
     args.rdzv_conf = with_job_settings(args.rdzv_conf, cfg)
     config, cmd, cmd_args, params = rendezvous_parameters(args)
     # before anything starts a thread (the rendezvous does): the starter is forked from this process
-    starter = Zygote.fork(list(WORKER_MODULES)) if forks(config.start_method, cmd) else None
+    starter = None
+    if forks(config.start_method, cmd):
+        try:
+            starter = Zygote.fork(list(WORKER_MODULES))
+        except RuntimeError as exc:  # a thread is running already: forking would copy its locks
+            logger.warning("this node's workers start as new interpreters (as --start-method spawn): %s", exc)
     try:
         return _run_agent(config, cmd, cmd_args, params, starter)
     finally:

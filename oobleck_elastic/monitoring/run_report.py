@@ -160,8 +160,10 @@ class RunReport:
         `first_failure` is the wall time of the first sign of the lost nodes' failure."""
         after = set(plan.instantiation.nodes)
         if failed_at is not None and first_failure is not None:
-            # detection: from the first sign of the failure to this worker's step failing
-            phases = {"detect": max(0.0, failed_at - first_failure), **phases}
+            # detection: from the first sign of the failure to this worker's step failing; the
+            # total counts from that first sign too
+            detect = max(0.0, failed_at - first_failure)
+            phases, total_s = {"detect": detect, **phases}, total_s + detect
         self.pending_recovery = {
             "event": "recovery", "generation": plan.generation, "from_generation": first_generation,
             "restored_from": record.get("restored_from"),

@@ -206,6 +206,22 @@ def test_the_roll_call_waits_for_beating_members_and_drops_silent_ones_after_the
     assert p.failed_at(2) == store.try_get_json("nodes/2/dead")["at"]
 
 
+def test_the_first_sign_of_a_failure_is_the_earliest_of_the_kill_the_still_lease_and_the_mark(store, clock):
+    """A node that dies silently gives no sign but its lease standing still: its recovery's
+    detection time counts from the lease's last renewal, not from the roll call's mark of death
+    (which comes after the survivors' step has failed, so detection read 0)."""
+    p = protocol(store, clock)
+    store.set_json("lease/4", {"beat": 17, "at": 1000.0})
+    store.set_json("nodes/4/dead", {"why": "missed the roll call of generation 2", "at": 1011.5})
+    assert p.failed_at(4) == 1000.0
+    store.set_json("faults/4", {"time": 1000.4, "node": 4, "step": 3, "phase": "forward"})
+    assert p.failed_at(4) == 1000.4, "an injected kill's own record is exact"
+    store.set_json("lease/5", {"beat": 3, "at": 1020.0})  # its agent beat on after the worker died
+    store.set_json("nodes/5/dead", {"why": "left", "at": 1012.0})
+    assert p.failed_at(5) == 1012.0
+    assert p.failed_at(6) is None
+
+
 def test_a_lease_that_stood_still_before_the_roll_call_is_dead_sooner_but_never_on_the_writers_clock_alone(
         store, clock):
     wall = [1000.0]
@@ -235,13 +251,14 @@ def test_the_roll_call_ends_at_its_timeout_and_marks_the_absent_dead(store, cloc
 
 def test_a_stale_worker_woken_past_its_roll_call_marks_nobody(store, clock):
     # node 0 hung through its roll call of generation 3 and was marked dead by the others, who
-    # moved on (the keys of that roll call are gone); woken past the deadline it is fenced, and
-    # must not mark the live node 1 dead for missing a roll call it answered long ago (two chaos
-    # runs lost their last survivors to such marks)
+    # moved on (the keys of that roll call are gone); woken, it is fenced at once (not at the
+    # roll call's deadline), and must not mark the live node 1 dead for missing a roll call it
+    # answered long ago (two chaos runs lost their last survivors to such marks)
     p = protocol(store, clock)
     clock.every(0.2, lambda: store.add("lease/1", 1), until=60)
     p.mark_dead(0, "missed the roll call of generation 3")
-    assert p.roll_call(3, (0, 0), [0, 1], 1, timeout=5.0, suspect_after=0.5) == ([], [0, 1])
+    assert p.roll_call(3, (0, 0), [0, 1], 1, timeout=5.0, suspect_after=0.5) == ([], [0])
+    assert clock.now < 0.1
     assert store.try_get_json("nodes/1/dead") is None
 
 
