@@ -4,6 +4,7 @@ single-process reference run, and the comparison of final weights."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -76,14 +77,18 @@ def assert_matches(final, reference, rel=1e-9):
 
 
 def run_processes(run_id: str, workers: bool = False) -> list[psutil.Process]:
-    """Every process of run `run_id` still alive: launchers, node starters, agents, worker
-    starters and workers (elastic/process.py `run_id_of`); `workers`: the workers alone."""
+    """Every process of run `run_id` still alive: node starters, agents, worker starters and
+    workers (elastic/process.py `run_id_of`), and launchers other than the test's own children
+    in its process group (whose group a caller may kill); `workers`: the workers alone."""
     found = []
+    ours = os.getpgrp()
     for proc in psutil.process_iter():
         try:
+            if proc.pid == os.getpid() or os.getpgid(proc.pid) == ours:
+                continue
             if run_id_of(proc) == run_id and (not workers or worker_identity(proc)):
                 found.append(proc)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, ProcessLookupError):
             continue
     return found
 

@@ -58,12 +58,12 @@ def logged(tmp_path, step: int) -> bool:
 def kill_everything(launcher: subprocess.Popen, run_id: str) -> None:
     """SIGKILL the launcher and every node (agent and workers) at once, as a power cut would."""
     launcher.kill()
+    launcher.wait()  # gone before the others are looked for: it shares this test's process group
     for worker in run_processes(run_id):
         try:
             os.killpg(os.getpgid(worker.pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
-    launcher.wait()
     psutil.wait_procs(run_processes(run_id), timeout=10)
     assert not run_processes(run_id)
 
