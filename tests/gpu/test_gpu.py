@@ -49,22 +49,29 @@ def test_kill_a_node_on_nccl(tmp_path, failure_free):
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free, rel=1e-6)
 
 
+def _alone(tmp_path, name: str, sets: list[str], steps: int = 8) -> list[dict]:
+    """One worker trains the GPT example alone with `sets`; its metrics log."""
+    args = ["--config", str(ROOT / "examples/gpt/config.yaml"), "--set", f"train.steps={steps}",
+            "--set", "planner.memory_per_worker=1GB", "--set", f"planner.profile_dir={tmp_path / 'profiles' / name}",
+            "--set", f"monitoring.metrics_path={tmp_path / name / 'm.jsonl'}",
+            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}",
+            "--set", f"checkpoint.dir={tmp_path / name / 'ck'}"]
+    for s in sets:
+        args += ["--set", s]
+    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return records(tmp_path / name / "m.jsonl")
+
+
+def _losses(log: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in log if "step" in r and "event" not in r}
+
+
 def test_bf16_mixed_on_cuda_follows_the_cpu_fp32_run(tmp_path):
     need_gpus(1)
-    runs = {}
-    for name, sets in (("cpu", ["train.device=cpu"]), ("cuda", ["train.device=cuda", "train.precision=bf16-mixed"])):
-        args = ["--config", str(ROOT / "examples/gpt/config.yaml"), "--set", "train.steps=30",
-                "--set", "planner.memory_per_worker=1GB", "--set", f"planner.profile_dir={tmp_path / 'profiles'}",
-                "--set", f"monitoring.metrics_path={tmp_path / name / 'm.jsonl'}",
-                "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}",
-                "--set", f"checkpoint.dir={tmp_path / name / 'ck'}"]
-        for s in sets:
-            args += ["--set", s]
-        proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        runs[name] = {r["step"]: r["loss"] for r in records(tmp_path / name / "m.jsonl")
-                      if "step" in r and "event" not in r}
+    runs = {name: _losses(_alone(tmp_path, name, sets, steps=30))
+            for name, sets in (("cpu", ["train.device=cpu"]),
+                               ("cuda", ["train.device=cuda", "train.precision=bf16-mixed"]))}
     assert sorted(runs["cuda"]) == list(range(30))
     for step, loss in runs["cuda"].items():
         assert loss == pytest.approx(runs["cpu"][step], rel=0.02), f"step {step}"
@@ -119,20 +126,6 @@ def test_layer_state_moves_device_to_device(tmp_path):
         assert sent[key].dtype == received[key].dtype and torch.equal(sent[key], received[key])
 
 
-def _alone(tmp_path, name: str, sets: list[str], steps: int = 8) -> list[dict]:
-    """One worker trains the GPT example alone with `sets`; its metrics log."""
-    args = ["--config", str(ROOT / "examples/gpt/config.yaml"), "--set", f"train.steps={steps}",
-            "--set", "planner.memory_per_worker=1GB", "--set", f"planner.profile_dir={tmp_path / 'profiles' / name}",
-            "--set", f"monitoring.metrics_path={tmp_path / name / 'm.jsonl'}",
-            "--set", f"monitoring.tensorboard_dir={tmp_path / name / 'tb'}",
-            "--set", f"checkpoint.dir={tmp_path / name / 'ck'}"]
-    for s in sets:
-        args += ["--set", s]
-    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return records(tmp_path / name / "m.jsonl")
-
-
 @pytest.mark.parametrize("dtype, rel", [("float64", 1e-9), ("float32", 1e-4)])
 def test_one_worker_on_cuda_follows_the_cpu_run(tmp_path, dtype, rel):
     """The same job, one worker, on the GPU and on the CPU: the losses of every step agree to
@@ -140,7 +133,7 @@ def test_one_worker_on_cuda_follows_the_cpu_run(tmp_path, dtype, rel):
     need_gpus(1)
     runs = {device: _alone(tmp_path, device, [f"train.device={device}", f"train.dtype={dtype}"])
             for device in ("cpu", "cuda")}
-    losses = {d: {r["step"]: r["loss"] for r in log if "step" in r and "event" not in r} for d, log in runs.items()}
+    losses = {d: _losses(log) for d, log in runs.items()}
     assert sorted(losses["cuda"]) == list(range(8))
     for step, loss in losses["cuda"].items():
         assert loss == pytest.approx(losses["cpu"][step], rel=rel), f"step {step}"
