@@ -366,16 +366,11 @@ class Protocol:
         A failure is known here, so a member that has not checked in is dead as soon as its
         lease has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease
         timeout. The dead are marked so (a node that joined once and died is never admitted),
-        and a node marked dead is dead here even if it answers (its workers fence themselves);
-        a worker whose own node is marked dead gets ([], [its node]) at once."""
+        and a node marked dead is dead here even if it answers (its workers fence themselves)."""
         self.store.set_json(f"rollcall/{generation}/started", True)
         self.store.set_json(f"rollcall/{generation}/{me[0]}/{me[1]}", True)
         deadline = self.clock() + timeout
         while True:
-            if self.store.try_get_json(f"nodes/{me[0]}/dead") is not None:
-                # the others went on without this node (it hung, or was cut off): it is fenced at
-                # once, not at the deadline, and marks nobody
-                return [], [me[0]]
             present = {n for n in members if all(self.store.try_get_json(f"rollcall/{generation}/{n}/{w}")
                                                  for w in range(workers_per_node))}
             # a death mark is final, even on a node that answers: another survivor's roll call
