@@ -17,7 +17,7 @@ import psutil
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import Protocol
-from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.elastic.stores import MembershipStore
 from oobleck_elastic.errors import OobleckError
 
 __all__ = ["check_lease", "run_id_of", "stop_or_die", "watch_parent", "worker_identity", "worker_name"]

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from oobleck_elastic.elastic.records import DeadMark, GenerationRecord, Outcome, StepDecision
-from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.elastic.stores import MembershipStore
 from oobleck_elastic.errors import OobleckError
 
 __all__ = ["Fenced", "Protocol", "StepAborted", "WaitTimeout", "wait_until"]

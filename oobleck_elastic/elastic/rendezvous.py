@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from oobleck_elastic.elastic.logs import Prefixed, agent_prefix
 from oobleck_elastic.elastic.protocol import Protocol
-from oobleck_elastic.elastic.store import EmbeddedStore, MembershipStore, StoreAddressInUse, StoreUnreachable
+from oobleck_elastic.elastic.stores import EmbeddedStore, MembershipStore, StoreAddressInUse, StoreUnreachable
 from oobleck_elastic.errors import ConfigError
 
 __all__ = ["OobleckRendezvousHandler", "create_handler", "handler_entry_point", "open_store", "store_kind"]
@@ -247,7 +247,7 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
     host, _, given_port = (params.endpoint or f"127.0.0.1:{default_port}").rpartition(":")
     host, port = host or "127.0.0.1", int(given_port or default_port)
     if kind == "etcd":
-        from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
+        from oobleck_elastic.elastic.stores.etcd_v2 import EtcdAccess, EtcdStore
 
         if params.run_id in ("", "none"):
             raise ConfigError("--rdzv-id is required with --rdzv-conf store=etcd: a run's records stay "

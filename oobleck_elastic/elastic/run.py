@@ -92,7 +92,7 @@ from oobleck_elastic.elastic.job import WorkerIdentity, job_description, plan_ru
 from oobleck_elastic.elastic.logs import Prefixed, worker_prefix
 from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted, WaitTimeout
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
-from oobleck_elastic.elastic.store import MembershipStore
+from oobleck_elastic.elastic.stores import MembershipStore
 from oobleck_elastic.errors import OobleckError, RunFailed
 from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.planning import Instantiation, TemplateSet, WorkerRef, instantiate, layer_holders

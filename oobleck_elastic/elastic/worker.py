@@ -19,7 +19,7 @@ from oobleck_elastic.elastic.process import check_lease, stop_or_die, watch_pare
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.elastic.run import Run
-from oobleck_elastic.elastic.store import StoreUnreachable, connect_store, host_store
+from oobleck_elastic.elastic.stores import StoreUnreachable, connect_store, host_store
 from oobleck_elastic.errors import ConfigError, OobleckError, RunFailed
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.trainer import Dataset

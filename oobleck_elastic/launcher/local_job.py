@@ -22,7 +22,7 @@ import psutil
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import Protocol
-from oobleck_elastic.elastic.store import StoreUnreachable
+from oobleck_elastic.elastic.stores import StoreUnreachable
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.node import with_job_settings
 from oobleck_elastic.launcher.zygote import WORKER_MODULES, ForkedProcess, Zygote
@@ -85,11 +85,11 @@ def _local_store(args: argparse.Namespace, run_id: str):
     from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
     from oobleck_elastic.elastic.rendezvous import store_kind
-    from oobleck_elastic.elastic.store import connect_store, host_store
+    from oobleck_elastic.elastic.stores import connect_store, host_store
 
     conf = _parse_rendezvous_config(args.rdzv_conf)
     if store_kind(conf) == "etcd":
-        from oobleck_elastic.elastic.etcd_store import EtcdAccess
+        from oobleck_elastic.elastic.stores.etcd_v2 import EtcdAccess
 
         endpoint = args.rdzv_endpoint or "127.0.0.1:2379"
         query = EtcdAccess.from_config(conf).query()

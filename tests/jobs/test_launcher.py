@@ -15,7 +15,7 @@ import pytest
 from etcd_server import etcd_server
 
 from oobleck_elastic.elastic.protocol import RECORDS
-from oobleck_elastic.elastic.store import connect_store
+from oobleck_elastic.elastic.stores import connect_store
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

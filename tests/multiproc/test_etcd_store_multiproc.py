@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from runtime_harness import spawn_ranks
 
-from oobleck_elastic.elastic.store import connect_store
+from oobleck_elastic.elastic.stores import connect_store
 
 
 def _contend(port: int, worker: int, queue) -> None:

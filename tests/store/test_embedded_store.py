@@ -13,7 +13,7 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from oobleck_elastic.elastic.store import StoreAddressInUse, host_store
+from oobleck_elastic.elastic.stores import StoreAddressInUse, host_store
 from oobleck_elastic.errors import OobleckError
 
 

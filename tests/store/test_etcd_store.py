@@ -15,7 +15,7 @@ import pytest
 from etcd_server import etcd_server
 
 from oobleck_elastic.elastic.protocol import Protocol
-from oobleck_elastic.elastic.store import StoreTimeout, StoreUnreachable, connect_store
+from oobleck_elastic.elastic.stores import StoreTimeout, StoreUnreachable, connect_store
 
 
 def test_records_counters_and_waits(etcd_port):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from etcd_server import enable_auth, etcd_process
 
-from oobleck_elastic.elastic.etcd_store import EtcdAccess, EtcdStore
-from oobleck_elastic.elastic.store import StoreUnreachable, connect_store
+from oobleck_elastic.elastic.stores import StoreUnreachable, connect_store
+from oobleck_elastic.elastic.stores.etcd_v2 import EtcdAccess, EtcdStore
 from oobleck_elastic.errors import ConfigError
 
 

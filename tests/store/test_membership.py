@@ -10,7 +10,7 @@ import time
 from oobleck_elastic.elastic.protocol import Protocol
 from oobleck_elastic.elastic.records import Outcome, StepDecision
 from oobleck_elastic.elastic.rendezvous import Heartbeat
-from oobleck_elastic.elastic.store import host_store
+from oobleck_elastic.elastic.stores import host_store
 
 
 def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_ones():

@@ -12,7 +12,7 @@ from runtime_harness import templates_for
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.elastic.protocol import Protocol
-from oobleck_elastic.elastic.store import host_store
+from oobleck_elastic.elastic.stores import host_store
 from oobleck_elastic.monitoring.metrics import read_records
 from oobleck_elastic.monitoring.run_report import RunReport
 from oobleck_elastic.planning import build_instantiation

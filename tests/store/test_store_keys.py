@@ -11,7 +11,7 @@ import torch.distributed as dist
 from generation_records import record
 
 from oobleck_elastic.elastic.protocol import RECORDS, Protocol
-from oobleck_elastic.elastic.store import connect_store, host_store
+from oobleck_elastic.elastic.stores import connect_store, host_store
 
 
 @contextlib.contextmanager

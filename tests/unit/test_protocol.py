@@ -13,7 +13,7 @@ from generation_records import record
 
 from oobleck_elastic.elastic.protocol import Protocol, StepAborted, WaitTimeout, wait_until
 from oobleck_elastic.elastic.records import Outcome, RecordError, StepDecision
-from oobleck_elastic.elastic.store import MembershipStore, StoreTimeout, StoreUnreachable
+from oobleck_elastic.elastic.stores import MembershipStore, StoreTimeout, StoreUnreachable
 from oobleck_elastic.errors import OobleckError
 
 

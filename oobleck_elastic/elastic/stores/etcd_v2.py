@@ -59,7 +59,7 @@ from urllib.parse import parse_qsl, urlencode
 import etcd
 import torch.distributed as dist
 
-from oobleck_elastic.elastic.store import MembershipStore, StoreUnreachable, check_run_id
+from oobleck_elastic.elastic.stores.base import MembershipStore, StoreUnreachable, check_run_id
 from oobleck_elastic.errors import ConfigError
 
 __all__ = ["EtcdAccess", "EtcdStore"]
