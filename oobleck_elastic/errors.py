@@ -29,7 +29,7 @@ class OobleckError(Exception):
 class RunFailed(OobleckError):
     """The run cannot go on: every worker would fail the same way (a step that keeps failing,
     no checkpoint to fall back to). The first worker to meet it tells the others and the
-    launcher (`Protocol.publish_failure`)."""
+    launcher (`Side.publish_failure`)."""
 
 
 class CheckpointDamaged(OobleckError):

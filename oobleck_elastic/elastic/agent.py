@@ -4,7 +4,7 @@ registers the node, keeps its lease and tells the workers where the run lives.
 Note: [stop on request]
     A scheduler stops a job by sending SIGTERM to its processes (before preemption, at the end
     of an allocation). torch's agent would kill its workers at once; this one asks the run to
-    stop instead (`Protocol.request_stop`): the next step's commit carries the request to
+    stop instead (`Side.request_stop`): the next step's commit carries the request to
     every worker, they finish that step, write the final checkpoint and exit 0, and a relaunch
     of the same job resumes from exactly there. A second SIGTERM kills the workers. Under stock
     torchrun the agent is torch's: it forwards the SIGTERM to its workers and gives them 30 s
@@ -24,7 +24,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import PContext
 
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import AgentSide
 from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
 
 __all__ = ["OobleckAgent"]
@@ -66,4 +66,4 @@ class OobleckAgent(LocalElasticAgent):
         self._stop_requested = True
         handler.log.warning("SIGTERM: the run stops after its current step and writes a checkpoint "
                             "(a second SIGTERM kills the workers)")
-        Protocol(handler.store).request_stop(f"node {handler.node}'s agent (SIGTERM)")
+        AgentSide(handler.store).request_stop(f"node {handler.node}'s agent (SIGTERM)")

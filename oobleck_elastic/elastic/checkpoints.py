@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import CheckpointSide
 from oobleck_elastic.elastic.records import GenerationRecord, Resumed
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.checkpoint import (
@@ -53,7 +53,7 @@ class RunCheckpoints:
     """One worker's part in its run's checkpoints."""
 
     def __init__(self, model: ModelSpec, cfg: JobConfig, run_id: str, samples: int, name: str,
-                 protocol: Protocol, fault=None) -> None:
+                 protocol: CheckpointSide, fault=None) -> None:
         self.cfg, self.steps, self.model = cfg.checkpoint, cfg.train.steps, model
         self.settle_s = cfg.elastic.agreement_timeout_s / 2  # the longest a fallback waits for a write
         self.protocol, self.fault, self.name, self.run_id = protocol, fault, name, run_id
@@ -62,7 +62,7 @@ class RunCheckpoints:
         self.writer = BackgroundWriter(name)
 
     def start(self, instance: tuple[str, float]) -> None:
-        """This start of the run (Protocol.instance: its id and when it began): what its
+        """This start of the run (WorkerSide.instance: its id and when it began): what its
         checkpoints carry."""
         self.ident = dataclasses.replace(self.ident, instance=instance[0], instance_started=instance[1])
 
@@ -122,7 +122,7 @@ class RunCheckpoints:
         checkpoint.background is false); whoever completes the set publishes the checkpoint.
 
         Note: [final checkpoint]
-            The count of written layers is the generation's (`Protocol.checkpoint_written`),
+            The count of written layers is the generation's (`CheckpointSide.checkpoint_written`),
             so parts written in a generation that failed never complete in the next one: a
             final checkpoint (the last step's, or a stop's) that a failure interrupted is
             written again, whole, by the next generation's owners, unless it was published

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import WorkerSide
 from oobleck_elastic.planning import ModelProfile, TemplateSet, plan_templates
 from oobleck_elastic.planning.job import make_cluster
 from oobleck_elastic.planning.values import from_jsonable, to_jsonable
@@ -117,7 +117,7 @@ def templates(profile: ModelProfile, cfg: JobConfig, nodes: int, workers_per_nod
                           virtual_stages=cfg.train.stages_per_worker)
 
 
-def plan_run(protocol: Protocol, who: WorkerIdentity, first_nodes: Sequence[int], model: ModelSpec,
+def plan_run(protocol: WorkerSide, who: WorkerIdentity, first_nodes: Sequence[int], model: ModelSpec,
              cfg: JobConfig) -> TemplateSet:
     """The run's pipeline templates, planned for the first generation's node count from the
     profile the first node's first worker measures and publishes."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import psutil
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import Side
 from oobleck_elastic.elastic.stores import MembershipStore
 from oobleck_elastic.errors import OobleckError
 
@@ -93,7 +93,7 @@ def check_lease(store: MembershipStore, node: int, cfg: JobConfig) -> None:
     """The agent beats the node's lease at its own interval (torchrun does not read the job
     config): it must renew twice per lease timeout and three times per roll-call window, or
     healthy nodes look dead."""
-    beat = (Protocol(store).node_info(node) or {}).get("heartbeat_s")
+    beat = (Side(store).node_info(node) or {}).get("heartbeat_s")
     ela = cfg.elastic
     if beat is not None and (2 * beat > ela.lease_timeout_s * _ROUNDING
                              or 3 * beat > ela.rollcall_window_s * _ROUNDING):

@@ -1,7 +1,7 @@
 """What crosses the membership store, as frozen values with one versioned JSON encoding each:
 generation records, step decisions, dead marks. Everything read from the store is parsed here
-and checked before anything acts on it (docs/recovery.md, "Trust model"); the store's keys and calls are
-elastic/protocol.py's."""
+and checked before anything acts on it (docs/recovery.md, "Trust model"); the store's keys and
+calls are elastic/protocol/'s."""
 
 from __future__ import annotations
 

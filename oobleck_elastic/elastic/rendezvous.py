@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from oobleck_elastic.elastic.logs import Prefixed, agent_prefix
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import AgentSide, Liveness
 from oobleck_elastic.elastic.stores import EmbeddedStore, MembershipStore, StoreAddressInUse, StoreUnreachable
 from oobleck_elastic.errors import ConfigError
 
@@ -61,7 +61,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
     def __init__(self, store: MembershipStore, *, min_nodes: int, max_nodes: int, timeout: float,
                  heartbeat_interval: float = 0.2) -> None:
         self.store = store
-        self.protocol = Protocol(store)
+        self.protocol = AgentSide(store)
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.timeout = timeout
@@ -105,7 +105,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             # torch's agent restarts this node's workers (one of them exited, and it stopped
             # the others): the run has lost them. Say so at once, so the survivors need not
             # wait for a lease, and come back as a new node that joins like any other.
-            self.protocol.mark_dead(self.node, "its agent restarted its workers")
+            self.protocol.liveness.mark_dead(self.node, "its agent restarted its workers")
             assert self._heartbeat is not None, "a registered node beats"
             self._heartbeat.stop()
             self.log.warning("workers restarted: rejoining the run as a new node")
@@ -119,7 +119,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
         """A node started with other `--nnodes` than the run's belongs to another job (two jobs
         on one endpoint with torchrun's default id `none`, say): it is refused before it
         registers. Nodes of jobs that differ in their config are refused by their workers
-        (Protocol.check_same_job)."""
+        (WorkerSide.check_same_job)."""
         run = self.protocol.limits()
         if run is not None and (run["min_nodes"], run["max_nodes"]) != (self.min_nodes, self.max_nodes):
             raise RendezvousError(
@@ -142,7 +142,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self.protocol.begin(self.min_nodes, self.max_nodes)
         if node not in self.protocol.pointer(self.timeout).nodes:
             # Its workers start at once, get ready (profile, templates) and are admitted at a
-            # step boundary (Protocol.ready_joiners).
+            # step boundary (WorkerSide.ready_joiners).
             self.log.info("joining the running job")
         os.environ.update(OOBLECK_STORE=self.store.url, OOBLECK_RUN_ID=self.store.run_id,
                           OOBLECK_NODE_ID=str(node), OOBLECK_AGENT_PID=str(os.getpid()))
@@ -150,7 +150,7 @@ class OobleckRendezvousHandler(RendezvousHandler):
             bootstrap = RendezvousStoreInfo(self.store.host, self.store.port)
         else:  # MASTER_ADDR/PORT for the workers; ours do not use them
             bootstrap = RendezvousStoreInfo(socket.gethostname(), _free_port())
-        private = torch.distributed.PrefixStore(f"agent{node}", self.store.torch_store())
+        private = torch.distributed.PrefixStore(self.protocol.agent_prefix(node), self.store.torch_store())
         return RendezvousInfo(private, 0, 1, bootstrap)
 
     def is_closed(self) -> bool:
@@ -176,12 +176,12 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self.store.set_timeout(10.0)  # leaving is best effort: never block for long
         try:
             if not self.protocol.finished():
-                self.protocol.mark_dead(self.node, "its agent stopped before the run finished")
+                self.protocol.liveness.mark_dead(self.node, "its agent stopped before the run finished")
             self.protocol.leave(self.node)
             if self.hosting:
                 self._wait_for_others_to_leave()
             if self.protocol.finished() and self.protocol.everyone_left():  # the last to leave
-                self.protocol.forget_working_state()  # Note: [store keys] in elastic/protocol.py
+                self.protocol.forget_working_state()  # Note: [store keys] in elastic/protocol/keys.py
         except (torch.distributed.DistError, StoreUnreachable) as exc:  # its host is gone
             self.log.warning("could not leave the run cleanly: %s", str(exc).splitlines()[0])
             return False
@@ -193,11 +193,11 @@ class OobleckRendezvousHandler(RendezvousHandler):
         own workers stopped (fenced, say) must not take it from nodes that still train. So
         there is no deadline while a lease moves; a node that stops renewing its lease is
         given up on after a few heartbeats."""
-        watcher = Protocol(self.store, max(2.0, 4 * self.heartbeat_interval))
+        watcher = AgentSide(self.store, max(2.0, 4 * self.heartbeat_interval))
         logged = False
         while True:
             staying = [n for n in range(watcher.registered()) if not watcher.has_left(n)]
-            live = set(staying) - watcher.dead(staying)
+            live = set(staying) - watcher.liveness.dead(staying)
             if not live:
                 return
             if not logged:
@@ -211,7 +211,7 @@ class Heartbeat:
     """An agent's lease: renewed every `interval` seconds by a daemon thread."""
 
     def __init__(self, store: MembershipStore, node: int, interval: float) -> None:
-        self.protocol, self.node, self.interval = Protocol(store), node, interval
+        self.liveness, self.node, self.interval = Liveness(store), node, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"oobleck-heartbeat-{node}", daemon=True)
         self._thread.start()
@@ -220,13 +220,13 @@ class Heartbeat:
         failures = 0
         while not self._stop.wait(self.interval):
             try:
-                self.protocol.renew_lease(self.node)
+                self.liveness.renew_lease(self.node)
                 failures = 0
             except Exception as exc:  # a store hiccup must not end the lease: try again next beat
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:
                     logger.warning("[%s] lease renewal failed (%d in a row): %s",
-                                   agent_prefix(self.protocol.store.run_id, self.node), failures,
+                                   agent_prefix(self.liveness.store.run_id, self.node), failures,
                                    str(exc).splitlines()[0][:160])
 
     def stop(self) -> None:

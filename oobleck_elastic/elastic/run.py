@@ -2,7 +2,7 @@
 decides (join, build a generation, train a step, evaluate, recover, grow, finish) and reports
 each outcome back as an event.
 
-The failure path reads in three files: detection and agreement are elastic/protocol.py's
+The failure path reads in three files: detection and agreement are elastic/protocol/'s
 (Note: [step transaction], Note: [roll call]), the next layout is planning/recovery.py's
 (Note: [next generation]), and the repair (tear down, adopt the record that won, move layers)
 is here. Every generation record carries its instantiation and its `base`: the last generation
@@ -90,7 +90,7 @@ from oobleck_elastic.elastic.controller import (
 )
 from oobleck_elastic.elastic.job import WorkerIdentity, job_description, plan_run
 from oobleck_elastic.elastic.logs import Prefixed, worker_prefix
-from oobleck_elastic.elastic.protocol import Fenced, Protocol, StepAborted, WaitTimeout
+from oobleck_elastic.elastic.protocol import CheckpointSide, Fenced, StepAborted, WaitTimeout, WorkerSide
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
 from oobleck_elastic.elastic.stores import MembershipStore
 from oobleck_elastic.errors import OobleckError, RunFailed
@@ -162,13 +162,13 @@ class Run:
         self.log = Prefixed(logger, lambda: worker_prefix(who.run_id, self.plan.generation if self.plan else None,
                                                           who.node, who.local_rank))
         self.me = WorkerRef(who.node, who.local_rank)
-        self.protocol = Protocol(store, cfg.elastic.lease_timeout_s)
+        self.protocol = WorkerSide(store, cfg.elastic.lease_timeout_s)
         self.controller = Controller(cfg.train.steps, cfg.eval.interval)
         self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
                                fault=fault, eval_dataset=eval_dataset)
         self.checkpoints = RunCheckpoints(model, cfg, who.run_id, len(dataset),
                                           worker_prefix(who.run_id, None, who.node, who.local_rank),
-                                          self.protocol, fault)
+                                          CheckpointSide(store), fault)
         self.report: RunReport | None = None
         self.templates: TemplateSet | None = None  # planned in start()
         self.plan: GenerationPlan | None = None
@@ -279,7 +279,7 @@ class Run:
         def check() -> bool | None:
             if self.protocol.finished():
                 return True
-            if self.protocol.dead([node]) or self.protocol.aborted(generation, step):
+            if self.protocol.liveness.dead([node]) or self.protocol.aborted(generation, step):
                 return False
             return None
         try:
@@ -341,7 +341,7 @@ class Run:
                 return record
             if self.protocol.finished() or self.protocol.failure():
                 return RunOver()
-            if len(self.protocol.dead(record.nodes)) == len(record.nodes):
+            if len(self.protocol.liveness.dead(record.nodes)) == len(record.nodes):
                 # generation 0's pointer is the rendezvous's bare record: its planned one is
                 # the record (absent while the first node still plans it)
                 planned = record if record.planned else self.protocol.try_record(record.generation)
@@ -439,7 +439,7 @@ class Run:
             self.fault.step = record.start_step
         # Slow is not dead: each replay of a step that failed with every node alive doubles the
         # collective timeout, so a transfer or step slower than elastic.collective_timeout_s
-        # gets through (Note: [roll call] in elastic/protocol.py).
+        # gets through (Note: [roll call] in elastic/protocol/worker_side.py).
         self.trainer.set_timeout(self.cfg.elastic.collective_timeout_s * timeout_factor)
         started = time.perf_counter()
         cause: str | None  # why the build failed; None: it did not
@@ -558,7 +558,7 @@ class Run:
             self.fault("grow")
         # A member that died after the commit (in its optimizer step) is left out when its death
         # is known already (its agent marked it); if not, the build fails and recovery drops it.
-        dead = sorted(self.protocol.dead(old.instantiation.nodes))
+        dead = sorted(self.protocol.liveness.dead(old.instantiation.nodes))
         alive = sorted((set(old.instantiation.nodes) - set(dead)) | set(joiners))
         cause = f"node(s) {joiners} joined" + (f"; node(s) {dead} lost after step {step - 1}" if dead else "")
         record = self._propose(old, Base(old.generation, old.instantiation), alive, dead, step, cause)
@@ -655,7 +655,7 @@ class Run:
             return
         before = set(self._record(first_generation).nodes)
         lost = before - set(self.plan.instantiation.nodes)
-        signs = [t for t in map(self.protocol.failed_at, sorted(lost)) if t is not None]
+        signs = [t for t in map(self.protocol.liveness.failed_at, sorted(lost)) if t is not None]
         self.report.recovery(plan=self.plan, record=self.records[self.plan.generation].to_json(),
                              first_generation=first_generation, before=before, transfers=self.last_transfers,
                              phases=phases, total_s=time.perf_counter() - started, failed_at=self.failed_at,

@@ -16,8 +16,7 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.controller import MAX_REPLAYS_WITHOUT_LOSS
 from oobleck_elastic.elastic.job import WorkerIdentity
 from oobleck_elastic.elastic.process import check_lease, stop_or_die, watch_parent
-from oobleck_elastic.elastic.protocol import Protocol
-from oobleck_elastic.elastic.records import GenerationRecord
+from oobleck_elastic.elastic.protocol import AgentSide, Liveness, Side
 from oobleck_elastic.elastic.run import Run
 from oobleck_elastic.elastic.stores import StoreUnreachable, connect_store, host_store
 from oobleck_elastic.errors import ConfigError, OobleckError, RunFailed
@@ -41,7 +40,7 @@ def worker_from_environ() -> tuple[str, WorkerIdentity] | None:
 
 def _publish_failure(store, who: WorkerIdentity, exc: RunFailed) -> None:
     try:
-        Protocol(store).publish_failure(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
+        Side(store).publish_failure(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
                                         f"node {who.node} rank {who.local_rank}")
     except (OobleckError, RuntimeError) as store_error:  # the store is gone too: the agent's exit tells
         logger.warning("could not publish the run's failure: %s", store_error)
@@ -58,7 +57,7 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
     if found is None:  # the store lives as long as this process
         alone = host_store("127.0.0.1", 0, "standalone")
         found = alone.url, WorkerIdentity("standalone", 0, 0, 1)
-        alone.set_json("generation", GenerationRecord(generation=0, nodes=(0,)).to_json())
+        AgentSide(alone).begin(min_nodes=1, max_nodes=1)
         if cfg.fault_tolerance:
             logger.warning("running alone: fault_tolerance=%d needs more nodes, using 0", cfg.fault_tolerance)
             cfg = dataclasses.replace(cfg, fault_tolerance=0)
@@ -70,7 +69,7 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
                           outage_timeout=cfg.elastic.lease_timeout_s)  # a shorter outage is ridden out
     if alone is None:
         check_lease(store, who.node, cfg)
-        fault = FaultInjector.from_environ(who.node, Protocol(store))
+        fault = FaultInjector.from_environ(who.node, Liveness(store))
     run = Run(model, dataset, cfg, who, store, fault, eval_dataset if cfg.eval.interval else None)
 
     standalone = alone is not None

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import psutil
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import LauncherSide
 from oobleck_elastic.elastic.stores import StoreUnreachable
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.node import with_job_settings
@@ -54,7 +54,7 @@ def _recovery_line(rec: dict) -> str:
             f"({rec['bytes_moved'] / 2**20:.1f} MiB); " + "; ".join(rec["actions"]))
 
 
-def _mark_dead_nodes(protocol: Protocol, procs: list[ForkedProcess], dead: set[int]) -> None:
+def _mark_dead_nodes(protocol: LauncherSide, procs: list[ForkedProcess], dead: set[int]) -> None:
     """A node whose agent process exited before the run is done is dead: say so in the store
     at once (faster than its lease expiring)."""
     if protocol.finished():
@@ -65,11 +65,11 @@ def _mark_dead_nodes(protocol: Protocol, procs: list[ForkedProcess], dead: set[i
         dead.add(k)
         node = _node_of_pid(protocol, p.pid)
         if node is not None:
-            protocol.mark_dead(node, f"agent exited with {p.returncode}")
+            protocol.liveness.mark_dead(node, f"agent exited with {p.returncode}")
             print(f"oobleck: node {node} died (agent exit code {p.returncode})", flush=True)
 
 
-def _node_of_pid(protocol: Protocol, pid: int) -> int | None:
+def _node_of_pid(protocol: LauncherSide, pid: int) -> int | None:
     """The newest node id registered by agent `pid` (a node whose workers torch restarted
     registers again under a new id)."""
     for node in reversed(range(protocol.registered())):
@@ -114,7 +114,7 @@ class _StopOnSignal:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
 
-    def publish(self, protocol: Protocol) -> None:
+    def publish(self, protocol: LauncherSide) -> None:
         if self.signal is None or self.sent:
             return
         protocol.request_stop(f"the launcher ({self.signal})")
@@ -162,7 +162,7 @@ class LocalNodes:
     """The node processes of a local job, by start order k (node k's log is node<k>.log): the
     launcher's loop watches them, and a chaos schedule (launcher/chaos.py) signals them."""
 
-    def __init__(self, command: list[str], log_dir: str, verbose: bool, protocol: Protocol,
+    def __init__(self, command: list[str], log_dir: str, verbose: bool, protocol: LauncherSide,
                  workers_per_node: int = 1, run_id: str = "") -> None:
         self.command, self.log_dir, self.verbose, self.protocol = command, log_dir, verbose, protocol
         self.workers_per_node = workers_per_node
@@ -238,7 +238,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
     nodes = args.oobleck_local_nodes
     run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
     store, endpoint = _local_store(args, run_id)
-    protocol = Protocol(store)
+    protocol = LauncherSide(store)
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
     local = LocalNodes(node_command(args, cfg, endpoint, run_id), args.oobleck_log_dir, bool(args.verbose), protocol,
                        workers_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1,

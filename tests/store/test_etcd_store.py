@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 from etcd_server import etcd_server
 
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import AgentSide
 from oobleck_elastic.elastic.stores import StoreTimeout, StoreUnreachable, connect_store
 
 
@@ -30,7 +30,7 @@ def test_records_counters_and_waits(etcd_port):
     assert store.create_json("generation/1", {"nodes": [1]}) is False
     assert store.get_json("generation/1", 1.0) == {"nodes": [0]}
     assert store.add("lease/0", 0) == 0 and store.add("lease/0", 1) == 1 and store.add("lease/0", 5) == 6
-    assert Protocol(store).register({"host": "b"}) == 0 and Protocol(store).register({"host": "c"}) == 1
+    assert AgentSide(store).register({"host": "b"}) == 0 and AgentSide(store).register({"host": "c"}) == 1
     with pytest.raises(StoreTimeout, match="waited 0 s for store key 'missing'"):
         store.get_json("missing", 0.2)
     other_run = connect_store(f"etcd://127.0.0.1:{etcd_port}", "other")

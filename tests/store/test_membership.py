@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import AgentSide, WorkerSide
 from oobleck_elastic.elastic.records import Outcome, StepDecision
 from oobleck_elastic.elastic.rendezvous import Heartbeat
 from oobleck_elastic.elastic.stores import host_store
@@ -15,7 +15,7 @@ from oobleck_elastic.elastic.stores import host_store
 
 def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_ones():
     store = host_store("127.0.0.1", 0, "rollcall")
-    protocol = Protocol(store, lease_timeout=30.0)  # the lease timeout itself never fires here
+    protocol = WorkerSide(store, lease_timeout=30.0)  # the lease timeout itself never fires here
     beating = Heartbeat(store, 3, interval=0.1)
     try:
         store.set_json("rollcall/0/1/0", True)  # node 1's worker is already in
@@ -39,14 +39,14 @@ def test_roll_call_drops_silent_nodes_after_the_window_and_waits_for_beating_one
 def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
     store = host_store("127.0.0.1", 0, "joiners")
     for _ in range(6):
-        Protocol(store).register({"host": "h"})
+        AgentSide(store).register({"host": "h"})
     for node in (3, 4, 5):
-        Protocol(store).report_ready(node, 1)
+        WorkerSide(store).report_ready(node, 1)
     store.set_json("nodes/4/dead", {"why": "test"})
-    assert Protocol(store).ready_joiners([0, 1, 2]) == [3, 5], "no limit: every ready, live node"
-    assert Protocol(store).ready_joiners([0, 1, 2], max_nodes=4) == [3], "room for one more"
-    assert Protocol(store).ready_joiners([0, 1, 2, 3], max_nodes=4) == [], "full: node 5 waits, ready"
-    assert Protocol(store).ready_joiners([0, 3], max_nodes=4) == [5], "a member lost makes room"
+    assert WorkerSide(store).ready_joiners([0, 1, 2]) == [3, 5], "no limit: every ready, live node"
+    assert WorkerSide(store).ready_joiners([0, 1, 2], max_nodes=4) == [3], "room for one more"
+    assert WorkerSide(store).ready_joiners([0, 1, 2, 3], max_nodes=4) == [], "full: node 5 waits, ready"
+    assert WorkerSide(store).ready_joiners([0, 3], max_nodes=4) == [5], "a member lost makes room"
 
 
 def test_a_joining_node_is_ready_when_all_its_workers_are():
@@ -54,11 +54,11 @@ def test_a_joining_node_is_ready_when_all_its_workers_are():
     its sibling was still planning."""
     store = host_store("127.0.0.1", 0, "readyall")
     for _ in range(2):
-        Protocol(store).register({"host": "h"})
-    Protocol(store).report_ready(1, 2)
-    assert Protocol(store).ready_joiners([0]) == []
-    Protocol(store).report_ready(1, 2)
-    assert Protocol(store).ready_joiners([0]) == [1]
+        AgentSide(store).register({"host": "h"})
+    WorkerSide(store).report_ready(1, 2)
+    assert WorkerSide(store).ready_joiners([0]) == []
+    WorkerSide(store).report_ready(1, 2)
+    assert WorkerSide(store).ready_joiners([0]) == [1]
 
 
 def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
@@ -66,10 +66,10 @@ def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
     admitted: its lease stands still (issue 10, item 4)."""
     store = host_store("127.0.0.1", 0, "deadjoiner")
     for node in range(3):
-        Protocol(store).register({"host": "h"})
-        Protocol(store).report_ready(node, 1)
+        AgentSide(store).register({"host": "h"})
+        WorkerSide(store).report_ready(node, 1)
     beating = Heartbeat(store, 2, interval=0.05)
-    watcher = Protocol(store, lease_timeout=0.5)
+    watcher = WorkerSide(store, lease_timeout=0.5)
     try:
         assert watcher.ready_joiners([0]) == [1, 2], "first sight: not yet dead"
         deadline = time.monotonic() + 10
@@ -82,7 +82,7 @@ def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
 
 def test_a_commit_removes_the_previous_steps_keys():
     store = host_store("127.0.0.1", 0, "commits")
-    protocol = Protocol(store, lease_timeout=30.0)
+    protocol = WorkerSide(store, lease_timeout=30.0)
     for step in range(3):
         assert protocol.commit_step(0, step, 1, [0], timeout=10.0) == StepDecision(Outcome.COMMIT)
     assert store.try_get_json("gen0/step2/decision") == {"version": 1, "outcome": "commit", "join": [], "stop": False}
@@ -95,9 +95,9 @@ def test_a_stop_request_is_carried_by_the_next_commit():
     """A stop asked for while a step is computed ends the run after that step, for everyone at
     once (the decision carries it), and no joiner is admitted at that boundary."""
     store = host_store("127.0.0.1", 0, "stops")
-    protocol = Protocol(store, lease_timeout=30.0)
+    protocol = WorkerSide(store, lease_timeout=30.0)
     store.add("nodes/next", 2)
-    Protocol(store).report_ready(1, 1)  # node 1 is ready to join
+    WorkerSide(store).report_ready(1, 1)  # node 1 is ready to join
     store.add("gen0/step0/ready", 1)  # the other worker of the step is ready already
     assert protocol.commit_step(0, 0, 2, [0], timeout=10.0) == StepDecision(Outcome.COMMIT, (1,))
     store.add("gen0/step1/ready", 1)
@@ -118,7 +118,7 @@ def test_a_node_started_with_another_job_is_refused_naming_the_keys():
         return job_description(load_config(None, sets), model_and_data("gpt")[0], workers)
 
     store = host_store("127.0.0.1", 0, "samejob")
-    check_same_job = Protocol(store).check_same_job
+    check_same_job = WorkerSide(store).check_same_job
     check_same_job(job(["train.seed=3"]))
     check_same_job(job(["train.seed=3", "planner.profile_dir=/elsewhere"]))  # a local path may differ
     with pytest.raises(OobleckError, match=r"train.global_batch_size = 64 here, 32 in the run; "
@@ -150,7 +150,7 @@ def test_a_node_whose_model_or_tokens_hold_other_contents_is_refused(tmp_path):
 
     make_causal_lm(model, "gpt2", seed=0)
     write_tokens(tokens, 600_000, 97, seed=0)  # larger than what the digest reads: it samples
-    check_same_job = Protocol(host_store("127.0.0.1", 0, "samefiles")).check_same_job
+    check_same_job = WorkerSide(host_store("127.0.0.1", 0, "samefiles")).check_same_job
     check_same_job(job())
     check_same_job(job())  # the same files again: the same digest
     (model / ".cache").mkdir()  # a download's bookkeeping, different on every node, is not content

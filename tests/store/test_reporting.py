@@ -11,7 +11,7 @@ import torch.distributed as dist
 from runtime_harness import templates_for
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.elastic.protocol import Protocol
+from oobleck_elastic.elastic.protocol import LauncherSide, WorkerSide
 from oobleck_elastic.elastic.stores import host_store
 from oobleck_elastic.monitoring.metrics import read_records
 from oobleck_elastic.monitoring.run_report import RunReport
@@ -20,7 +20,7 @@ from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.trainer import StepStats
 
 
-class GlitchingProtocol(Protocol):
+class GlitchingMirror(WorkerSide):
     def publish_progress(self, record):
         raise dist.DistStoreError("Socket Timeout")
 
@@ -31,7 +31,7 @@ def test_a_store_error_on_the_progress_mirror_does_not_fail_the_step(tmp_path):
     ts = templates_for(4, 2)
     plan = GenerationPlan(generation=0, start_step=0, workers_per_node=1, templates=ts,
                           instantiation=build_instantiation([ts.get(1), ts.get(1)], [(0,), (1,)], 32, 4))
-    report = RunReport(cfg, GlitchingProtocol(host_store("127.0.0.1", 0, "glitch")), 4)
+    report = RunReport(cfg, GlitchingMirror(host_store("127.0.0.1", 0, "glitch")), 4)
     report.step(StepStats(step=0, loss=1.5, samples=32, grad_norm=0.1, seconds=0.2, tokens=64, lr=1e-3), plan)
     report.close()
     (line,) = (tmp_path / "m.jsonl").read_text().splitlines()
@@ -44,7 +44,8 @@ def test_the_report_mirrors_progress_recoveries_and_the_end_for_the_launcher(tmp
     ts = templates_for(4, 2)
     plan = GenerationPlan(generation=1, start_step=1, workers_per_node=1, templates=ts,
                           instantiation=build_instantiation([ts.get(1), ts.get(1)], [(0,), (1,)], 32, 4))
-    mirror = Protocol(host_store("127.0.0.1", 0, "mirror"))  # what the launcher reads
+    mirror = WorkerSide(host_store("127.0.0.1", 0, "mirror"))
+    launcher = LauncherSide(mirror.store)  # what the launcher reads
     report = RunReport(cfg, mirror, 4)
     report.recovery(plan=plan, record={"cause": "lost"}, first_generation=0, before={0, 1, 2}, transfers=[],
                     phases={"build": 0.1}, total_s=0.3, failed_at=None, first_failure=None)
@@ -53,9 +54,9 @@ def test_the_report_mirrors_progress_recoveries_and_the_end_for_the_launcher(tmp
     report.catch_up(stats, plan)  # published: not twice
     report.final(2, [0.0], [1.0])
     report.close()
-    assert mirror.progress()["step"] == 1 and mirror.progress()["samples_per_s"] == 64.0
-    assert mirror.recovery(1)["lost"] == [2] and mirror.recovery(1)["phases_s"]["replay"] == 0.5
-    assert mirror.done() == {"steps": 2}
+    assert launcher.progress()["step"] == 1 and launcher.progress()["samples_per_s"] == 64.0
+    assert launcher.recovery(1)["lost"] == [2] and launcher.recovery(1)["phases_s"]["replay"] == 0.5
+    assert launcher.done() == {"steps": 2}
     events = [json.loads(line).get("event", "step") for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert events == ["recovery", "step", "final"]
 
@@ -75,7 +76,7 @@ def test_a_new_reporter_keeps_the_runs_earlier_steps_for_its_throughput_figure(t
     def stats(step, seconds):
         return StepStats(step=step, loss=1.0, samples=32, grad_norm=0.1, seconds=seconds, tokens=64, lr=None)
 
-    mirror = Protocol(host_store("127.0.0.1", 0, "handover"))
+    mirror = WorkerSide(host_store("127.0.0.1", 0, "handover"))
     earlier = RunReport(cfg, mirror, 4, "old")  # an earlier job that logged to the same path
     earlier.generation(plan(0, 0), ts)
     earlier.step(stats(0, 4.0), plan(0, 0))

@@ -1,4 +1,4 @@
-"""The run's protocol (elastic/protocol.py) on a fake store and a fake clock: what other
+"""The run's protocol (elastic/protocol/, a worker's side) on a fake store and a fake clock: what other
 workers do meanwhile is scheduled on the clock, so races, deaths and timeouts are exact and
 take no real time. tests/store/test_membership.py runs the same protocol on a real store."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from generation_records import record
 
-from oobleck_elastic.elastic.protocol import Protocol, StepAborted, WaitTimeout, wait_until
+from oobleck_elastic.elastic.protocol import CheckpointSide, Clocks, StepAborted, WaitTimeout, WorkerSide, wait_until
 from oobleck_elastic.elastic.records import Outcome, RecordError, StepDecision
 from oobleck_elastic.elastic.stores import MembershipStore, StoreTimeout, StoreUnreachable
 from oobleck_elastic.errors import OobleckError
@@ -115,8 +115,8 @@ def store(clock) -> FakeStore:
     return FakeStore(clock)
 
 
-def protocol(store: FakeStore, clock: FakeClock, lease_timeout: float = 30.0) -> Protocol:
-    return Protocol(store, lease_timeout, clock=clock, sleep=clock.sleep, wall=clock)
+def protocol(store: FakeStore, clock: FakeClock, lease_timeout: float = 30.0) -> WorkerSide:
+    return WorkerSide(store, lease_timeout, Clocks(clock, clock.sleep, clock))
 
 
 def test_wait_until_returns_the_first_value_and_times_out_naming_what_it_awaited(clock):
@@ -203,7 +203,7 @@ def test_the_roll_call_waits_for_beating_members_and_drops_silent_ones_after_the
     alive, dead = p.roll_call(0, (0, 0), [0, 1, 2, 3], 1, timeout=60.0, suspect_after=0.5)
     assert (alive, dead) == ([0, 1, 3], [2]) and 4.0 <= clock.now < 4.1
     assert store.try_get_json("nodes/2/dead")["why"] == "missed the roll call of generation 0"
-    assert p.failed_at(2) == store.try_get_json("nodes/2/dead")["at"]
+    assert p.liveness.failed_at(2) == store.try_get_json("nodes/2/dead")["at"]
 
 
 def test_the_first_sign_of_a_failure_is_the_earliest_of_the_kill_the_still_lease_and_the_mark(store, clock):
@@ -213,25 +213,25 @@ def test_the_first_sign_of_a_failure_is_the_earliest_of_the_kill_the_still_lease
     p = protocol(store, clock)
     store.set_json("lease/4", {"beat": 17, "at": 1000.0})
     store.set_json("nodes/4/dead", {"why": "missed the roll call of generation 2", "at": 1011.5})
-    assert p.failed_at(4) == 1000.0
+    assert p.liveness.failed_at(4) == 1000.0
     store.set_json("faults/4", {"time": 1000.4, "node": 4, "step": 3, "phase": "forward"})
-    assert p.failed_at(4) == 1000.4, "an injected kill's own record is exact"
+    assert p.liveness.failed_at(4) == 1000.4, "an injected kill's own record is exact"
     store.set_json("lease/5", {"beat": 3, "at": 1020.0})  # its agent beat on after the worker died
     store.set_json("nodes/5/dead", {"why": "left", "at": 1012.0})
-    assert p.failed_at(5) == 1012.0
-    assert p.failed_at(6) is None
+    assert p.liveness.failed_at(5) == 1012.0
+    assert p.liveness.failed_at(6) is None
 
 
 def test_a_lease_that_stood_still_before_the_roll_call_is_dead_sooner_but_never_on_the_writers_clock_alone(
         store, clock):
     wall = [1000.0]
-    p = Protocol(store, clock=clock, sleep=clock.sleep, wall=lambda: wall[0] + clock.now)
+    p = WorkerSide(store, clocks=Clocks(clock, clock.sleep, lambda: wall[0] + clock.now))
     store.set_json("lease/1", {"beat": 7, "at": 1000.0 - 0.4})  # node 1's last beat, 0.4 s before the roll call
     store.set_json("lease/2", {"beat": 3, "at": 1000.0 + 5.0})  # node 2's clock runs 5 s ahead of ours
     store.set_json("lease/3", 4)  # a beat without its time: the reader's clock only
     alive, dead = p.roll_call(0, (0, 0), [0, 1], 1, timeout=60.0, suspect_after=0.6)
     assert (alive, dead) == ([0], [1]) and 0.4 <= clock.now < 0.45, "2/3 of the window, not all of it"
-    q = Protocol(store, clock=clock, sleep=clock.sleep, wall=lambda: wall[0] + clock.now)
+    q = WorkerSide(store, clocks=Clocks(clock, clock.sleep, lambda: wall[0] + clock.now))
     start = clock.now
     assert q.roll_call(1, (0, 0), [0, 2, 3], 1, timeout=60.0, suspect_after=0.6) == ([0], [2, 3])
     assert 0.6 <= clock.now - start < 0.65, "a future or missing time waits the whole window"
@@ -239,7 +239,7 @@ def test_a_lease_that_stood_still_before_the_roll_call_is_dead_sooner_but_never_
     clock.every(0.2, lambda: store.set_json("lease/4", {"beat": clock.now, "at": 0.0}), until=clock.now + 60)
     for _ in range(20):
         clock.sleep(0.1)
-        assert not q.dead([4], timeout=0.6)
+        assert not q.liveness.dead([4], timeout=0.6)
 
 
 def test_the_roll_call_ends_at_its_timeout_and_marks_the_absent_dead(store, clock):
@@ -256,7 +256,7 @@ def test_a_stale_worker_woken_past_its_roll_call_marks_nobody(store, clock):
     # runs lost their last survivors to such marks)
     p = protocol(store, clock)
     clock.every(0.2, lambda: store.add("lease/1", 1), until=60)
-    p.mark_dead(0, "missed the roll call of generation 3")
+    p.liveness.mark_dead(0, "missed the roll call of generation 3")
     assert p.roll_call(3, (0, 0), [0, 1], 1, timeout=5.0, suspect_after=0.5) == ([], [0, 1])
     assert store.try_get_json("nodes/1/dead") is None
 
@@ -266,7 +266,7 @@ def test_a_node_marked_dead_by_another_roll_call_is_dead_even_if_it_answers(stor
     # saw it and won the proposal: every build with node 2 aborts on its mark, so the next roll
     # call must leave it out, or the survivors replay the generation until they give up
     p = protocol(store, clock)
-    p.mark_dead(2, "missed the roll call of generation 4")
+    p.liveness.mark_dead(2, "missed the roll call of generation 4")
     for node in (1, 2):
         store.set_json(f"rollcall/5/{node}/0", True)
     assert p.roll_call(5, (0, 0), [0, 1, 2], 1, timeout=60.0, suspect_after=0.5) == ([0, 1], [2])
@@ -277,7 +277,7 @@ def test_a_build_waits_for_every_member_and_fails_when_one_dies_or_time_runs_out
     p = protocol(store, clock)
     clock.at(1.0, lambda: store.add("gen1/built", 1))
     p.built(1, 2, [0, 1], timeout=10.0)
-    clock.at(clock.now + 1.0, lambda: p.mark_dead(1, "its agent exited"))
+    clock.at(clock.now + 1.0, lambda: p.liveness.mark_dead(1, "its agent exited"))
     with pytest.raises(StepAborted, match="a member of generation 2 died while it was built"):
         p.built(2, 2, [0, 1], timeout=10.0)
     clock.every(0.2, lambda: store.add("lease/1", 1), until=clock.now + 60)
@@ -292,7 +292,7 @@ def test_generation_0_or_its_start_error_reaches_every_waiting_worker(store, clo
     assert p.first(10.0) == record(0)
     other = FakeStore(clock)
     q = protocol(other, clock)
-    clock.at(clock.now + 1.0, lambda: q.refuse_start("checkpoint step 7 of run a is damaged"))
+    clock.at(clock.now + 1.0, lambda: CheckpointSide(other).refuse_start("checkpoint step 7 of run a is damaged"))
     with pytest.raises(OobleckError, match="checkpoint step 7 of run a is damaged"):
         q.first(10.0)
     with pytest.raises(WaitTimeout, match="generation 0"):
@@ -323,7 +323,7 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes_and_dead_ones_never(s
     store.add("nodes/next", 6)
     for node in (3, 4, 5):
         p.report_ready(node, 1)
-    p.mark_dead(4, "test")
+    p.liveness.mark_dead(4, "test")
     assert p.ready_joiners([0, 1, 2]) == [3, 5]
     assert p.ready_joiners([0, 1, 2], max_nodes=4) == [3]
     clock.every(0.2, lambda: store.add("lease/5", 1), until=60)

@@ -3,7 +3,7 @@
 `MembershipStore` is the small interface the rest of the elastic layer uses, with the errors its
 calls raise and the rule for run ids. Keys live under `oobleck/<run_id>/`; values are JSON (never
 pickle: the store is reachable over the network). Which keys a run uses, and what they hold, is
-elastic/protocol.py's alone.
+elastic/protocol/keys.py's alone.
 """
 
 from __future__ import annotations
