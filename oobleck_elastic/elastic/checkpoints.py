@@ -91,6 +91,11 @@ class RunCheckpoints:
         if first is not None and first.resumed is not None:
             self.ident = dataclasses.replace(self.ident, resumed=(first.resumed.run_id, first.resumed.step))
 
+    def note_restored(self, step: int) -> None:
+        """The layers are about to be restored from the checkpoint of `step` (or built afresh at
+        step 0): that checkpoint is not written again."""
+        self.restored_step = step
+
     def fallback_step(self) -> int | None:
         """The newest checkpoint of this run (or the one it resumed from) not found damaged;
         before the first one, step 0: the initial state, which every worker rebuilds exactly

@@ -265,6 +265,20 @@ class Trainer:
                 self.fault("optimizer")
         self.completed_steps += 1
 
+    def barrier(self, agree: bool = True) -> bool:
+        """Every worker of the current generation got here; whether all of them `agree`
+        (Generation.barrier)."""
+        return self._built().barrier(agree)
+
+    def holds_layers(self) -> bool:
+        """Whether this worker holds any layer state (a joiner or a restarted worker holds none)."""
+        return bool(self.layers.layers)
+
+    def keep_layers(self, indices: Sequence[int]) -> None:
+        """Forgets every layer but `indices` (what this worker held in a generation that was
+        built: a failed build's partial copies go; `()`: before a restore)."""
+        self.layers.keep_only(indices)
+
     def discard(self) -> None:
         """Drops the gradients of an aborted step (it will be replayed)."""
         for state in self.layers.layers.values():

@@ -21,17 +21,17 @@ BASE = build_instantiation([TEMPLATES.get(2), TEMPLATES.get(3)], [(0, 1), (2, 3,
 AFTER = build_instantiation([TEMPLATES.get(2), TEMPLATES.get(2)], [(0, 1), (2, 4)], 24, 2)
 
 
-class Layers:
-    def __init__(self, held):
-        self.layers = dict.fromkeys(held)
-
-    def keep_only(self, keep):
-        self.layers = {i: None for i in self.layers if i in set(keep)}
-
-
 class Trainer:
+    """The trainer's side of adopt(): which layers this worker holds."""
+
     def __init__(self, held, completed):
-        self.layers, self.completed_steps = Layers(held), completed
+        self.held, self.completed_steps = tuple(held), completed
+
+    def holds_layers(self):
+        return bool(self.held)
+
+    def keep_layers(self, keep):
+        self.held = tuple(i for i in self.held if i in set(keep))
 
 
 def run_for(node: int, held, completed: int) -> tuple[Run, list]:
@@ -39,7 +39,7 @@ def run_for(node: int, held, completed: int) -> tuple[Run, list]:
     run.me, run.templates = WorkerRef(node, 0), TEMPLATES
     run.cfg = load_config(None, ["checkpoint.dir=ckpt", "train.global_batch_size=24", "train.microbatch_size=2"])
     run.trainer, run.records, run.last_transfers = Trainer(held, completed), {}, []
-    run.checkpoints = types.SimpleNamespace(restored_step=None)
+    run.checkpoints = types.SimpleNamespace(note_restored=lambda step: None)
     built = []
     run._enter = lambda record, transfers, restore_from, factor: built.append(
         {"generation": record.generation, "start": record.start_step, "nodes": record.instantiation.nodes,
@@ -75,7 +75,7 @@ def test_partial_copies_of_a_failed_build_are_dropped_for_the_records_base():
     run, built = run_for(0, (*base_held, 5), completed=5)  # layer 5: half-received in a failed build
     run.records[1] = record(1, BASE, 0)
     run.adopt(record(3, AFTER, 5, base=1))
-    assert tuple(run.trainer.layers.layers) == base_held and built
+    assert run.trainer.held == base_held and built
 
 
 def test_a_worker_left_out_or_at_another_step_is_fenced():

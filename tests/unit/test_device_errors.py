@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from oobleck_elastic.config import load_config
-from oobleck_elastic.elastic.run import DeviceFailed, device_error
+from oobleck_elastic.elastic.step_errors import DeviceFailed, device_error
 from oobleck_elastic.errors import RunFailed
 
 

@@ -12,7 +12,7 @@ import pytest
 from generation_records import record
 
 from oobleck_elastic.elastic.protocol import CheckpointSide, Clocks, StepAborted, WaitTimeout, WorkerSide, wait_until
-from oobleck_elastic.elastic.records import Outcome, RecordError, StepDecision
+from oobleck_elastic.elastic.records import GenerationRecord, Outcome, RecordError, StepDecision
 from oobleck_elastic.elastic.stores import MembershipStore, StoreTimeout, StoreUnreachable
 from oobleck_elastic.errors import OobleckError
 
@@ -332,25 +332,23 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes_and_dead_ones_never(s
 
 
 def test_a_joiner_stops_waiting_when_the_run_failed(store, clock):
-    """Run.join on the protocol: a published failure (RunFailed in a member) is the run's end
+    """Joining.join on the protocol: a published failure (RunFailed in a member) is the run's end
     for a node not yet admitted, not a wait until elastic.join_timeout_s."""
     import logging
-    import types
 
     from oobleck_elastic.config import load_config
-    from oobleck_elastic.elastic.controller import Admitted, RunOver
-    from oobleck_elastic.elastic.run import Run
-    from oobleck_elastic.planning import WorkerRef
+    from oobleck_elastic.elastic.controller import RunOver
+    from oobleck_elastic.elastic.job import WorkerIdentity
+    from oobleck_elastic.elastic.joining import Joining
 
-    run = Run.__new__(Run)
-    run.protocol, run.me, run.fault = protocol(store, clock), WorkerRef(5, 0), None
-    run.who, run.log = types.SimpleNamespace(local_world_size=1), logging.getLogger("test")
-    run.cfg = load_config(None, ["elastic.join_timeout_s=300"])
+    cfg = load_config(None, ["elastic.join_timeout_s=300"])
+    joining = Joining(cfg, None, WorkerIdentity("run", 5, 0, 1), protocol(store, clock), None, None,
+                      logging.getLogger("test"))
     store.set_json("generation", record(0).to_json())
-    clock.at(2.0, lambda: run.protocol.publish_failure("GiveUp: step 3 failed 4 times", "node 0 rank 0"))
-    assert isinstance(run.join(), RunOver) and clock.now < 2.5
-    assert run.protocol.failure()["by"] == "node 0 rank 0"
+    clock.at(2.0, lambda: joining.protocol.publish_failure("GiveUp: step 3 failed 4 times", "node 0 rank 0"))
+    assert isinstance(joining.join(), RunOver) and clock.now < 2.5
+    assert joining.protocol.failure()["by"] == "node 0 rank 0"
     store.delete("failed")
-    clock.at(clock.now + 1.0, lambda: run.protocol.propose(record(1, nodes=((0, 1), (5,))), 1.0))
-    admitted = run.join()
-    assert isinstance(admitted, Admitted) and admitted.record.generation == 1
+    clock.at(clock.now + 1.0, lambda: joining.protocol.propose(record(1, nodes=((0, 1), (5,))), 1.0))
+    admitted = joining.join()
+    assert isinstance(admitted, GenerationRecord) and admitted.generation == 1
