@@ -8,7 +8,7 @@ The job is a synthetic GPT-3 6.7B (34 layers, 80 GiB per GPU, global batch 32,76
 each beside its failure-free reference) with `--layouts per-count`, and the cost of one exact
 change (`--layouts exact`: the runtime's plan_next and transfers_between on every event) timed
 on the first `--exact-events` events, with the two modes' samples/s on that prefix side by
-side. Goal (issue 16): the whole trace under 60 s.
+side. Goal: the whole trace under 60 s.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (the third forces a checkpoint restore), then simulated from its own profile and its kill
 times, with recovery constants never fitted to the run being predicted. Prints the predicted
 and the measured time from the first step's start to the last step's end, and their ratio
-(issue 16's bound: within 25%), twice:
+(within 25%), twice:
 
 * with the shipped constants (simulation/measured_constants.json, fitted on another day);
 * with constants fitted, by `simulate --fit`, to a calibration run of the same job made just

@@ -8,7 +8,7 @@ Two processes on gloo (loopback). Rank 0 holds `--layers` blocks of the GPT exam
 `run_transfers` (the runtime's own transfer phase: materialise the layer, prime its optimizer,
 receive, copy in) brings them over, timed on rank 1 from a barrier; then a raw `dist.send` /
 `dist.recv` of one buffer of the same number of bytes is timed the same way. Prints the best
-of each and the ratio raw/ours (issue 14: >= 0.8 on >= 200 MB). Also checks that the copies are
+of each and the ratio raw/ours (>= 0.8 on >= 200 MB). Also checks that the copies are
 bit-identical to the source.
 """
 

@@ -28,6 +28,7 @@ from oobleck_elastic.runtime.checkpoint import (
     remove_partials,
     save_layers,
 )
+from oobleck_elastic.runtime.fault_hook import NO_FAULTS, FaultHook
 from oobleck_elastic.runtime.layers import LayerStore
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
@@ -53,7 +54,7 @@ class RunCheckpoints:
     """One worker's part in its run's checkpoints."""
 
     def __init__(self, model: ModelSpec, cfg: JobConfig, run_id: str, samples: int, name: str,
-                 protocol: CheckpointSide, fault=None) -> None:
+                 protocol: CheckpointSide, fault: FaultHook = NO_FAULTS) -> None:
         self.cfg, self.steps, self.model = cfg.checkpoint, cfg.train.steps, model
         self.settle_s = cfg.elastic.agreement_timeout_s / 2  # the longest a fallback waits for a write
         self.protocol, self.fault, self.name, self.run_id = protocol, fault, name, run_id
@@ -150,8 +151,7 @@ class RunCheckpoints:
 
         def write() -> None:
             written = save_layers(ck.dir, done, states, self.run_id)
-            if self.fault:
-                self.fault("checkpoint", step=done)
+            self.fault("checkpoint", done)
             if self.protocol.checkpoint_written(plan.generation, done, written, final) == self.model.num_layers:
                 mark_complete(ck.dir, done, self.ident, self.model.export, keep=ck.keep,
                               protect=self.protocol.restoring)

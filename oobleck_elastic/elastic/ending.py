@@ -25,6 +25,7 @@ from oobleck_elastic.elastic.controller import Finished
 from oobleck_elastic.elastic.protocol import WaitTimeout, WorkerSide
 from oobleck_elastic.elastic.step_errors import CheckpointMissing
 from oobleck_elastic.monitoring.report_seat import ReportSeat
+from oobleck_elastic.runtime.fault_hook import NO_FAULTS, FaultHook
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.trainer import Trainer
 
@@ -36,7 +37,7 @@ class Ending:
     fails; `recorded_anyway()` then says whether the end was recorded all the same."""
 
     def __init__(self, cfg: JobConfig, protocol: WorkerSide, checkpoints: RunCheckpoints, trainer: Trainer,
-                 seat: ReportSeat, fault=None) -> None:
+                 seat: ReportSeat, fault: FaultHook = NO_FAULTS) -> None:
         self.cfg, self.protocol, self.checkpoints, self.trainer = cfg, protocol, checkpoints, trainer
         self.seat, self.fault = seat, fault
         self.at_barrier = False  # in the final barrier: the end may be recorded already
@@ -46,8 +47,7 @@ class Ending:
         save_final()  # the end is a collective too
         # a collective: once it returns, every worker has written its part (Note: [final checkpoint])
         summaries = self.trainer.layer_summaries()
-        if self.fault:
-            self.fault("finish", step=self.trainer.completed_steps)
+        self.fault("finish", self.trainer.completed_steps)
         recorded = True
         if self.seat.held and not self.protocol.finished():  # Note: [the end is recorded before anyone leaves]
             recorded = self._record_end(stopped, summaries)

@@ -29,6 +29,7 @@ from oobleck_elastic.elastic.protocol import WorkerSide
 from oobleck_elastic.elastic.records import GenerationRecord
 from oobleck_elastic.planning import TemplateSet, WorkerRef, instantiate
 from oobleck_elastic.planning.recovery import NextLayout
+from oobleck_elastic.runtime.fault_hook import NO_FAULTS, FaultHook
 from oobleck_elastic.runtime.model import ModelSpec
 
 __all__ = ["Joining"]
@@ -39,7 +40,7 @@ class Joining:
     among the first members."""
 
     def __init__(self, cfg: JobConfig, model: ModelSpec, who: WorkerIdentity, protocol: WorkerSide,
-                 checkpoints: RunCheckpoints, proposer: Proposer, log: Prefixed, fault=None) -> None:
+                 checkpoints: RunCheckpoints, proposer: Proposer, log: Prefixed, fault: FaultHook = NO_FAULTS) -> None:
         self.cfg, self.model, self.who, self.protocol = cfg, model, who, protocol
         self.checkpoints, self.proposer, self.log, self.fault = checkpoints, proposer, log, fault
         self.me = WorkerRef(who.node, who.local_rank)
@@ -87,8 +88,7 @@ class Joining:
     def join(self) -> GenerationRecord | RunOver:
         """A node started after the run began: gets ready and waits to be admitted; the record
         that admits it, or RunOver if the run ended first."""
-        if self.fault:
-            self.fault("join", step=0)  # before it says it is ready (a slow joiner, in tests)
+        self.fault("join", 0)  # before it says it is ready (a slow joiner, in tests)
         self.protocol.report_ready(self.me.node, self.who.local_world_size)
         self.log.info("ready to join; waiting for admission")
         timeout = self.cfg.elastic.join_timeout_s

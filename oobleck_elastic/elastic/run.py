@@ -57,6 +57,7 @@ from oobleck_elastic.monitoring.report_seat import ReportSeat
 from oobleck_elastic.planning import Instantiation, TemplateSet, WorkerRef, layer_holders
 from oobleck_elastic.planning.recovery import Base, is_replay, transfers_between
 from oobleck_elastic.runtime.checkpoint import CheckpointUnreadable
+from oobleck_elastic.runtime.fault_hook import NO_FAULTS, FaultHook
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
 from oobleck_elastic.runtime.trainer import Dataset, Trainer
@@ -76,7 +77,8 @@ class Run:
     """One worker's run across generations."""
 
     def __init__(self, model: ModelSpec, dataset: Dataset, cfg: JobConfig, who: WorkerIdentity,
-                 store: MembershipStore, fault=None, eval_dataset: Dataset | None = None) -> None:
+                 store: MembershipStore, fault: FaultHook = NO_FAULTS,
+                 eval_dataset: Dataset | None = None) -> None:
         self.model, self.cfg, self.who, self.fault = model, cfg, who, fault
         self.log = Prefixed(logger, lambda: worker_prefix(who.run_id, self.plan.generation if self.plan else None,
                                                           who.node, who.local_rank))
@@ -219,8 +221,6 @@ class Run:
                               workers_per_node=self.who.local_world_size, instantiation=_layout(record),
                               templates=self.templates)
         self.plan = plan
-        if self.fault and self.fault.step < 0:  # before any step: faults of the build count from the first
-            self.fault.step = record.start_step
         # Slow is not dead: each replay of a step that failed with every node alive doubles the
         # collective timeout, so a transfer or step slower than elastic.collective_timeout_s
         # gets through (Note: [roll call] in elastic/protocol/worker_side.py).
@@ -274,19 +274,15 @@ class Run:
     def step(self) -> StepDone:
         plan = self.plan
         assert plan is not None, "steps run in a built generation"
-        if self.fault:
-            self.fault.step = self.trainer.completed_steps
         computed = self.trainer.compute()
-        if self.fault:
-            self.fault("commit")
+        self.fault("commit", computed.stats.step)
         if self.stop_requested:  # before this worker reports ready, so this step's commit carries it
             self.protocol.request_stop(f"node {self.me.node} (SIGTERM)")
             self.stop_requested = False
         decision = self.protocol.commit_step(plan.generation, computed.stats.step, len(plan.members),
                                              plan.instantiation.nodes, self.cfg.elastic.agreement_timeout_s,
                                              self.max_nodes)
-        if self.fault:
-            self.fault("committed")
+        self.fault("committed", computed.stats.step)
         self.last_step = (computed.stats, plan)
         self.seat.step(computed.stats, plan)
         self.trainer.apply(computed)
@@ -310,8 +306,7 @@ class Run:
         """The eval loss after this step: eval.steps batches forward only, their token-weighted
         mean. A collective like a step: a failure here is recovered and the evaluation run again."""
         done = self.trainer.completed_steps
-        if self.fault:
-            self.fault("eval", step=done)
+        self.fault("eval", done)
         loss_sum: float = 0
         tokens = 0
         started = time.perf_counter()
@@ -333,8 +328,7 @@ class Run:
         old, step = self.plan, self.trainer.completed_steps
         assert old is not None and self.templates is not None, "nodes join a built generation"
         self.trainer.close()
-        if self.fault:
-            self.fault("grow")
+        self.fault("grow", self.trainer.fault_step)
         # A member that died after the commit (in its optimizer step) is left out when its death
         # is known already (its agent marked it); if not, the build fails and recovery drops it.
         dead = sorted(self.protocol.liveness.dead(old.instantiation.nodes))
@@ -342,8 +336,7 @@ class Run:
         cause = f"node(s) {joiners} joined" + (f"; node(s) {dead} lost after step {step - 1}" if dead else "")
         record = self.proposer.propose(self.templates, old.generation + 1, Base(old.generation, old.instantiation),
                                        alive, dead, step, cause)
-        if self.fault:
-            self.fault("admit")
+        self.fault("admit", self.trainer.fault_step)
         self.change.begin(old.generation, started, fresh=True)
         self.change.add({"agree": time.perf_counter() - started})
         return Proposed(record)
@@ -361,8 +354,7 @@ class Run:
         if self.protocol.decide_abort(old.generation, step).outcome is Outcome.COMMIT:
             raise AssertionError("a committed step cannot fail before apply(): apply is local")
         self.trainer.discard()
-        if self.fault:
-            self.fault("agreement")
+        self.fault("agreement", self.trainer.fault_step)
         alive, dead = self.protocol.roll_call(old.generation, (self.me.node, self.me.local_rank),
                                               list(old.instantiation.nodes), self.who.local_world_size,
                                               ela.agreement_timeout_s, ela.rollcall_window_s)

@@ -20,6 +20,7 @@ from oobleck_elastic.elastic.protocol import AgentSide, Liveness, Side
 from oobleck_elastic.elastic.run import Run
 from oobleck_elastic.elastic.stores import StoreUnreachable, connect_store, host_store
 from oobleck_elastic.errors import ConfigError, OobleckError, RunFailed
+from oobleck_elastic.runtime.fault_hook import NO_FAULTS
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.trainer import Dataset
 from oobleck_elastic.testing.faults import FaultInjector
@@ -53,7 +54,7 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
     if cfg.eval.interval and eval_dataset is None:
         raise ConfigError("eval.interval is set but the job has no eval data: set data.eval_tokens to a token file, "
                           "or pass eval_dataset to run_worker")
-    found, alone, fault = worker_from_environ(), None, None
+    found, alone, fault = worker_from_environ(), None, NO_FAULTS
     if found is None:  # the store lives as long as this process
         alone = host_store("127.0.0.1", 0, "standalone")
         found = alone.url, WorkerIdentity("standalone", 0, 0, 1)

@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.communicators import Communicator, communicators, creation_order, tie_communicator
 from oobleck_elastic.runtime.devices import abort_groups, backend_for, prepare_backend
+from oobleck_elastic.runtime.fault_hook import PhaseHook, no_phase
 from oobleck_elastic.runtime.layers import LayerStore, flatten, unflatten
 from oobleck_elastic.runtime.plan import GenerationPlan, StageRole
 
@@ -39,9 +40,6 @@ SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]]
 # a tied parameter's group (None: one rank holds every copy) and the (layer, name) copies held here
 _TieGroup = tuple["dist.ProcessGroup | None", list[tuple[int, str]]]
 
-
-def _no_fault(phase: str) -> None:
-    return None
 
 
 def _return_freed_memory() -> None:
@@ -70,7 +68,7 @@ class StageModule(nn.Module):
     called with "forward" before each forward and "backward" when the output's gradient
     arrives: the fault-injection points inside the schedule."""
 
-    def __init__(self, layers: list[nn.Module], fault=_no_fault) -> None:
+    def __init__(self, layers: list[nn.Module], fault: PhaseHook = no_phase) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.fault = fault
@@ -131,7 +129,7 @@ class Generation:
     """
 
     def __init__(self, plan: GenerationPlan, me: WorkerRef, store: dist.Store, layers: LayerStore,
-                 *, loss_fn, schedule: str, timeout: timedelta, fault=_no_fault) -> None:
+                 *, loss_fn, schedule: str, timeout: timedelta, fault: PhaseHook = no_phase) -> None:
         self.plan = plan
         self.me = me
         self.rank = plan.rank_of(me)

@@ -22,6 +22,7 @@ from oobleck_elastic.planning import Transfer, WorkerRef
 from oobleck_elastic.runtime.checkpoint import CheckpointUnreadable, restore_layers
 from oobleck_elastic.runtime.data import BatchLoader, Dataset, SampleOrder
 from oobleck_elastic.runtime.devices import resolve_device
+from oobleck_elastic.runtime.fault_hook import NO_FAULTS, FaultHook
 from oobleck_elastic.runtime.generation import Generation
 from oobleck_elastic.runtime.layers import LayerStore
 from oobleck_elastic.runtime.lr import lr_factor
@@ -62,10 +63,11 @@ class StepStats:
 
 class Trainer:
     def __init__(self, *, model: ModelSpec, dataset: Dataset, cfg: JobConfig, me: WorkerRef,
-                 store: dist.Store, device: torch.device | str | None = None, fault=None,
+                 store: dist.Store, device: torch.device | str | None = None, fault: FaultHook = NO_FAULTS,
                  eval_dataset: Dataset | None = None) -> None:
         check_supported(cfg)
-        self.fault = fault or (lambda phase: None)
+        self.fault = fault
+        self._fault_step: int | None = None  # see fault_step
         self.model = model
         self.dataset = dataset
         self.cfg = cfg
@@ -86,6 +88,16 @@ class Trainer:
         self.timeout = timedelta(seconds=cfg.elastic.collective_timeout_s)
         self._step_count = 0  # counted target elements of the step being computed
         self._boundaries: list[torch.Tensor] | None = None  # stage shapes, computed at the first build
+
+    @property
+    def fault_step(self) -> int:
+        """The step a fault at a phase belongs to now (runtime/fault_hook.py): the step this
+        worker computes or computed last, or, before any, the start step of its first generation."""
+        return self.completed_steps if self._fault_step is None else self._fault_step
+
+    def _phase(self, phase: str) -> None:
+        """The hook the generation, its stages and the transfers call at each phase."""
+        self.fault(phase, self.fault_step)
 
     def boundaries(self) -> list[torch.Tensor] | None:
         """Meta tensors of every layer boundary (runtime.generation Note: [static stage shapes]);
@@ -123,6 +135,8 @@ class Trainer:
         if self.generation is not None:
             self.generation.close()
             self.generation = None
+        if self._fault_step is None:  # before any step: faults of the build count from the first
+            self._fault_step = plan.start_step
         if restore_from is not None:
             self.layers.keep_only(())
         if self.layers.layers and self.completed_steps != plan.start_step:
@@ -131,17 +145,17 @@ class Trainer:
         self.completed_steps = plan.start_step
         t0 = time.perf_counter()
         gen = Generation(plan, self.me, self.store, self.layers, loss_fn=self._loss_fn,
-                         schedule=self.cfg.train.schedule, timeout=self.timeout, fault=self.fault)
+                         schedule=self.cfg.train.schedule, timeout=self.timeout, fault=self._phase)
         self.generation = gen
-        self.fault("build")
+        self._phase("build")
         t1 = time.perf_counter()
         if transfers:
-            self.fault("transfer")
+            self._phase("transfer")
         moved = run_transfers(transfers, plan, self.me, self.layers, stepped=self.completed_steps > 0,
-                              timeout=self.timeout, fault=self.fault)
+                              timeout=self.timeout, fault=self._phase)
         t2 = time.perf_counter()
         if restore_from is not None:
-            self.fault("restore")
+            self._phase("restore")
             try:
                 restore_layers(restore_from, plan.start_step, self.layers, gen.held_layers())
             except ConfigError:  # the job's settings do not fit the checkpoint: say so, once
@@ -181,7 +195,7 @@ class Trainer:
         """Forward, backward, gradient sums and the world-wide statistics of the next step.
         Every collective of the step happens here; apply() is local."""
         gen = self._built()
-        step = self.completed_steps
+        step = self._fault_step = self.completed_steps
         start = time.perf_counter()
         inputs = targets = None
         consumed: tuple[int, ...] = ()
@@ -262,7 +276,7 @@ class Trainer:
                 state.optimizer.step()
             state.zero_grad()
             if n == 0:
-                self.fault("optimizer")
+                self._phase("optimizer")
         self.completed_steps += 1
 
     def barrier(self, agree: bool = True) -> bool:

@@ -15,13 +15,14 @@ Note: [transfer wire format]
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from oobleck_elastic.planning import Transfer, WorkerRef
+from oobleck_elastic.runtime.fault_hook import PhaseHook, no_phase
 from oobleck_elastic.runtime.layers import LayerStore, flatten, unflatten
 from oobleck_elastic.runtime.plan import GenerationPlan
 
@@ -49,12 +50,9 @@ def _messages(tensors: Sequence[torch.Tensor]) -> list[tuple[bool, list[torch.Te
     return messages
 
 
-def _no_fault(phase: str) -> None:
-    pass
-
 
 def run_transfers(transfers: Sequence[Transfer], plan: GenerationPlan, me: WorkerRef, layers: LayerStore,
-                  *, stepped: bool, timeout: timedelta, fault: Callable[[str], None] = _no_fault) -> int:
+                  *, stepped: bool, timeout: timedelta, fault: PhaseHook = no_phase) -> int:
     """Runs this worker's part of `transfers` in the current (new) generation's default group.
     Layers received are created in `layers` first. Returns bytes sent plus received here.
     `fault` is called with transfer_send / transfer_receive once this worker's sends / receives

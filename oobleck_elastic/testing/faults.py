@@ -79,21 +79,21 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 class FaultInjector:
-    """Called by the runtime at each phase; kills this node when a fault matches."""
+    """The fault hook of a run with faults to inject (runtime/fault_hook.py's FaultHook): called
+    at each phase, it kills this node when a fault matches."""
 
     def __init__(self, node: int, faults: list[Fault], store: KillRecorder | None = None) -> None:
         self.node = node
         self.faults = [f for f in faults if f.node == node]
         self.store = store
-        self.step = -1
 
     @classmethod
     def from_environ(cls, node: int, store: KillRecorder | None = None) -> FaultInjector:
         return cls(node, parse_faults(os.environ.get("OOBLECK_FAULT", "")), store)
 
-    def __call__(self, phase: str, step: int | None = None) -> None:
-        """`step`: of a phase outside the step loop (a checkpoint written in the background)."""
-        step = self.step if step is None else step
+    def __call__(self, phase: str, step: int) -> None:
+        """This worker reached `phase` of `step` (runtime/fault_hook.py says which step a phase
+        belongs to)."""
         fault = next((f for f in self.faults if f.phase == phase
                       and (f.step == step or (phase in AT_OR_AFTER and f.step <= step))), None)
         if fault is not None:

@@ -1,4 +1,4 @@
-"""Failures around a membership change (issue 10, items 5 and 9), with real SIGKILLs: a member
+"""Failures around a membership change, with real SIGKILLs: a member
 lost while joiners are admitted does not cost the joiners their admission, a member that died
 after the commit is left out of the admission, and a node lost while the first generation is
 built does not end the run. Each ends with the weights of a failure-free run."""
@@ -27,8 +27,8 @@ def run_job(tmp_path, nodes: int, fault: str, launcher: tuple[str, ...] = (), se
 
 @pytest.mark.parametrize("phase", ["admit", "grow"])
 def test_a_member_lost_as_a_joiner_is_admitted_leaves_the_joiner_in(tmp_path, failure_free_40, phase):
-    # admit: node 1 dies once the record admitting node 4 has won (so the build fails: issue 10
-    # item 9, "a failed admission drops the joiner"); grow: node 1 dies after the commit, before
+    # admit: node 1 dies once the record admitting node 4 has won (so the build fails: a failed
+    # admission drops the joiner); grow: node 1 dies after the commit, before
     # the admission is proposed ("grow proposes a member that died during apply")
     log = run_job(tmp_path, 4, f"node=1,step=3,phase={phase}", ("--oobleck-add-node-at-step=3",), LONG)
     changes = [(r["lost"], r["joined"]) for r in log if r.get("event") == "recovery"]

@@ -1,4 +1,4 @@
-"""A local job on etcd with TLS and client certificates (issue 14): `--rdzv-conf
+"""A local job on etcd with TLS and client certificates: `--rdzv-conf
 etcd_cacert=...,etcd_cert=...,etcd_key=...` reaches every client (agents, the launcher, the
 workers, torch's c10d store for process groups), and the job recovers from a kill exactly (the
 clients on their own: tests/store/test_etcd_tls.py). `tls` is the root conftest's."""

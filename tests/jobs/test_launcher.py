@@ -85,7 +85,7 @@ def test_bad_config_fails_before_any_worker_starts(tmp_path):
 
 def test_two_local_jobs_on_one_etcd_recover_apart_match_the_reference_and_leave_only_their_records(
         tmp_path, failure_free):
-    """Issue 14: jobs `etcdjob` (node 1 killed) and `other` (no failure) at once on one etcd;
+    """Jobs `etcdjob` (node 1 killed) and `other` (no failure) at once on one etcd;
     each trains exactly, and all either leaves in etcd is its records (Note: [store keys])."""
     def start(run_id, fault):
         env = {**os.environ, "OOBLECK_FAULT": fault} if fault else dict(os.environ)

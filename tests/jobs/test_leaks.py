@@ -1,4 +1,4 @@
-"""Leaks over many generations (issue 14): a run whose step fails once on one node 50 times
+"""Leaks over many generations: a run whose step fails once on one node 50 times
 (action=glitch) goes through 50 recoveries on the same nodes (their exactness is
 test_recovery's); the workers' file
 descriptors, threads and resident memory, sampled from outside, stay within stated bounds, and

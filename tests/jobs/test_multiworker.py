@@ -1,7 +1,7 @@
 """Nodes with several workers: one worker of a 2-worker node crashes while its agent and its
 sibling live. The node is one failure: its agent stops the sibling (torch's agent stops a
 node's workers when one fails), leaves, and the survivors recover in memory with the weights
-of a failure-free run (issue 14)."""
+of a failure-free run."""
 
 from __future__ import annotations
 

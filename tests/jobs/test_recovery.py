@@ -208,7 +208,7 @@ def run_checkpointed(tmp_path, interval: int):
 def test_more_than_f_failures_fall_back_to_the_checkpoint(tmp_path, failure_free):
     # f = 1; nodes 1 and 3 sit in different pipelines, so some layers lose every replica. Node 4
     # dies while the restored generation is built, which has no in-memory base: the survivors
-    # restore the checkpoint again instead of crashing (issue 10, item 2).
+    # restore the checkpoint again instead of crashing.
     proc = run_checkpointed(tmp_path, interval=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "restored the checkpoint of step 2" in proc.stdout
@@ -227,7 +227,7 @@ def test_a_damaged_checkpoint_found_while_restoring_falls_back_to_the_one_before
     step 2 is flipped (same size: nothing but its checksum tells); then nodes 1 and 3 die, more
     than f. The fallback chooses step 2 from the manifests, a worker finds the damage as it
     loads its layer, the step is marked damaged and the next fallback starts the run again
-    from its initial state, exactly (issue 30, items 5 and 7: the read error crashed every
+    from its initial state, exactly (the read error crashed every
     survivor, and each survivor hashed the whole checkpoint before it could propose)."""
     slow = ";".join(f"node={n},step=3,phase=commit,action=slow,seconds=6" for n in range(5))
     env = {**os.environ, "OOBLECK_FAULT": f"{slow};node=1,step=3,phase=committed;node=3,step=3,phase=committed"}
@@ -266,8 +266,7 @@ def test_a_damaged_checkpoint_found_while_restoring_falls_back_to_the_one_before
 
 def test_no_replica_before_the_first_checkpoint_starts_the_run_again_exactly(tmp_path, failure_free):
     """More than f nodes lost before any checkpoint: the initial state is rebuilt exactly on the
-    survivors and the run goes on from step 0 (it used to end with an error: issue 14's chaos
-    run found it)."""
+    survivors and the run goes on from step 0 (it used to end with an error)."""
     proc = run_checkpointed(tmp_path, interval=0)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no checkpoint yet: started the run again from its initial state (step 0)" in proc.stdout
@@ -356,7 +355,7 @@ def published(tmp_path, step: int) -> dict:
 
 def test_a_kill_in_the_last_steps_optimizer_phase_still_ends_the_run(tmp_path, failure_free):
     """The final weight summary is a collective: a node lost there is recovered like any other
-    failure, and the run still ends with its final record (issue 10, item 9) and with the
+    failure, and the run still ends with its final record and with the
     checkpoint of its last step published: the survivors had written their parts of it in the
     generation that failed, and the run used to end without it."""
     stdout, log = run_with_faults(tmp_path, 5, f"node=1,step={STEPS - 1},phase=optimizer")
@@ -385,7 +384,7 @@ def test_a_worker_paused_past_the_collective_timeout_is_slow_not_dead(tmp_path, 
     """A worker stopped (SIGSTOP, by the injector: `action=stop`) in step 2's forward for longer
     than the collective timeout while its agent's lease goes on: the step times out and is
     aborted; once it is resumed every node answers the roll call, and the same nodes replay the
-    step in a new generation (issue 10, item 5: only a lease or a roll call makes a node dead)."""
+    step in a new generation (only a lease or a roll call makes a node dead)."""
     timeouts = ["--set", "elastic.collective_timeout_s=2", "--set", "elastic.lease_timeout_s=20",
                 "--set", "elastic.agreement_timeout_s=60"]
     env = {**os.environ, "OOBLECK_FAULT": "node=2,step=2,phase=forward,action=stop"}
@@ -419,7 +418,7 @@ def test_a_worker_paused_past_the_collective_timeout_is_slow_not_dead(tmp_path, 
 def test_a_step_slower_than_the_collective_timeout_gets_through_on_replay(tmp_path, failure_free):
     """Node 2 takes 3 s in step 2's gradient sum, every time it runs it, against a 2 s collective
     timeout: the step times out, every node answers the roll call, and each replay doubles the
-    timeout until the step gets through (issue 10, item 5: slow is not dead, and a slow
+    timeout until the step gets through (slow is not dead, and a slow
     transfer or checkpoint write is no different)."""
     timeouts = ["--set", "elastic.collective_timeout_s=2", "--set", "elastic.lease_timeout_s=20",
                 "--set", "elastic.agreement_timeout_s=60"]

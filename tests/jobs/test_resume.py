@@ -160,7 +160,7 @@ def test_sigterm_to_one_agent_stops_the_job_and_nothing_is_redone(tmp_path, refe
     assert other.returncode != 0
     assert "error: cannot resume from" in other.stderr and "the model differs" in other.stderr, other.stderr
     assert "Traceback" not in other.stdout + other.stderr
-    # and with checkpoint.resume=never: its step 12 would have replaced this job's (issue 30, item 2)
+    # and with checkpoint.resume=never: its step 12 would have replaced this job's
     fresh = subprocess.run(launch(tmp_path, 2, "fresh", extra=["--set", "model.d_model=32", "--set",
                                                               "checkpoint.resume=never"]),
                            cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Store faults under a running job (issue 14): etcd restarted with its data for less than the
+"""Store faults under a running job: etcd restarted with its data for less than the
 lease is ridden out with exact weights; etcd gone for good ends the job with a line naming it,
 within the configured timeouts, and leaves no process behind (Note: [etcd outages])."""
 

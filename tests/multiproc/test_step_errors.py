@@ -1,5 +1,5 @@
 """A step that keeps failing with every node alive is a bug, not a node failure: after a few
-replays the run ends with the whole error, not only its first line (issue 10, item 9)."""
+replays the run ends with the whole error, not only its first line."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The embedded store listens on the address it is given, and hosting it where that address
-is not this machine's is a clear error, not a silent fall back to being a client (issue 10,
-items 7 and 9); run ids, jobs sharing an endpoint, and the host outliving its join timeout while
-others train (a worker whose agent died: tests/jobs/test_embedded_store_jobs.py)."""
+is not this machine's is a clear error, not a silent fall back to being a client; run ids, jobs
+sharing an endpoint, and the host outliving its join timeout while others train (a worker whose
+agent died: tests/jobs/test_embedded_store_jobs.py)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_two_jobs_with_the_default_id_on_one_endpoint_do_not_merge():
 
 
 def test_the_store_host_stays_up_while_other_nodes_train_beyond_its_join_timeout():
-    """Issue 10, item 9: the agent hosting the embedded store leaves early (its workers were
+    """The agent hosting the embedded store leaves early (its workers were
     fenced, say); it must keep the store up as long as another node's lease moves, not only
     for its join timeout, and stop once that node has left."""
     import threading

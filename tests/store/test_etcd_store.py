@@ -61,8 +61,7 @@ def test_delete(etcd_port):
 
 def test_a_write_the_transport_sends_twice_counts_once(etcd_port, monkeypatch):
     """urllib3 sends a PUT again when its response is lost: the first one was applied and the
-    retry's condition fails. A counter still moves once, and a create is still ours (issue 10,
-    item 6)."""
+    retry's condition fails. A counter still moves once, and a create is still ours."""
     store = connect_store(f"etcd://127.0.0.1:{etcd_port}", "retried")
     real = store._client.write
 

@@ -1,4 +1,4 @@
-"""etcd with TLS and client certificates, and with v2 user auth (issue 14): `--rdzv-conf
+"""etcd with TLS and client certificates, and with v2 user auth: `--rdzv-conf
 etcd_cacert=...,etcd_cert=...,etcd_key=...,etcd_user=...` reaches every client (agents, the
 launcher, the workers through their store URL, torch's c10d store for process groups); wrong
 settings are one clear line (a local job on etcd with TLS: tests/jobs/test_etcd_tls_jobs.py).

@@ -1,6 +1,6 @@
 """The launcher's command line on a real store: the node command of a local job carries the
 job's rendezvous settings in torchrun's --rdzv-conf, and the rendezvous handler a node makes of
-it (hosting the embedded store) uses them (issue 12: settings reach the nodes through the job
+it (hosting the embedded store) uses them (settings reach the nodes through the job
 config, not environment variables parsed by hand)."""
 
 from __future__ import annotations

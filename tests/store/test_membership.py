@@ -50,7 +50,7 @@ def test_joiners_are_admitted_oldest_first_up_to_max_nodes():
 
 
 def test_a_joining_node_is_ready_when_all_its_workers_are():
-    """Issue 10, item 9: the first worker of a 2-worker node used to mark the node ready while
+    """The first worker of a 2-worker node used to mark the node ready while
     its sibling was still planning."""
     store = host_store("127.0.0.1", 0, "readyall")
     for _ in range(2):
@@ -63,7 +63,7 @@ def test_a_joining_node_is_ready_when_all_its_workers_are():
 
 def test_a_ready_joiner_whose_lease_stands_still_is_not_admitted():
     """A node that got ready and died (no launcher marks it dead under stock torchrun) is never
-    admitted: its lease stands still (issue 10, item 4)."""
+    admitted: its lease stands still."""
     store = host_store("127.0.0.1", 0, "deadjoiner")
     for node in range(3):
         AgentSide(store).register({"host": "h"})
@@ -106,7 +106,7 @@ def test_a_stop_request_is_carried_by_the_next_commit():
 
 
 def test_a_node_started_with_another_job_is_refused_naming_the_keys():
-    """Issue 10, item 8: the first node publishes the job; another seed or batch is refused."""
+    """The first node publishes the job; another seed or batch is refused."""
     import pytest
     from runtime_harness import model_and_data
 
@@ -124,14 +124,14 @@ def test_a_node_started_with_another_job_is_refused_naming_the_keys():
     with pytest.raises(OobleckError, match=r"train.global_batch_size = 64 here, 32 in the run; "
                                            r"train.seed = 0 here, 3 in the run"):
         check_same_job(job(["train.global_batch_size=64"]))
-    # every plan lays the same number of workers on each node (issue 30, item 10)
+    # every plan lays the same number of workers on each node
     with pytest.raises(OobleckError, match=r"nproc_per_node = 2 here, 1 in the run"):
         check_same_job(job(["train.seed=3"], workers=2))
 
 
 def test_a_node_whose_model_or_tokens_hold_other_contents_is_refused(tmp_path):
     """Each node reads model.hf and data.tokens from its own copy: a copy with other weights or
-    other tokens at the same path is refused, naming it (issue 30, item 10), from a digest that
+    other tokens at the same path is refused, naming it, from a digest that
     reads about 1 MiB of each file, not the whole of it."""
     import pytest
     from hf_fixtures import make_causal_lm, write_tokens

@@ -1,5 +1,5 @@
 """The run report: a committed step's record survives a store that fails to take the progress
-mirror (issue 10, item 5: a store glitch after the commit used to fail rank 0's step); the
+mirror (a store glitch after the commit used to fail rank 0's step); the
 launcher's mirror of progress, recoveries and the end; a new reporter's history (the metrics
 log alone: tests/unit/test_reporting_unit.py)."""
 

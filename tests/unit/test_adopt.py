@@ -1,5 +1,5 @@
 """Every node acts on the generation record that won the compare-and-set, whatever it proposed
-itself (issue 10, item 3): `Run.adopt` on its own, with the store and the build replaced by
+itself: `Run.adopt` on its own, with the store and the build replaced by
 recorders (the multi-process tests exercise the real ones)."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_a_worker_left_out_or_at_another_step_is_fenced():
 
 
 def test_a_forged_or_damaged_record_is_refused_before_anything_acts_on_it():
-    """Issue 10, item 7: a record read from the store is checked against the job first."""
+    """A record read from the store is checked against the job first."""
     from oobleck_elastic.errors import OobleckError
     from oobleck_elastic.planning import Instantiation, PipelinePlan
 

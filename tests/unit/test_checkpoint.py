@@ -107,7 +107,7 @@ def test_a_damaged_file_is_never_loaded(tmp_path):
     data[-20] ^= 0xFF
     path.write_bytes(bytes(data))
     # the step is chosen from the manifests (a damaged byte is not seen without reading every
-    # file: issue 30, item 7); the layer is checked as it is loaded, and the fallback then
+    # file); the layer is checked as it is loaded, and the fallback then
     # leaves the step out (the run marks it damaged) and takes the one before it
     assert latest_checkpoint(str(tmp_path), me) == 2
     with pytest.raises(OobleckError, match="do not match their checksum"):
@@ -139,7 +139,7 @@ def test_job_digest_follows_what_fixes_a_step_not_what_may_change_on_resume():
 
 
 def test_a_checkpoint_dir_that_is_not_shared_is_a_clear_error(tmp_path):
-    """The node completing the set does not see the others' files (issue 10, item 9)."""
+    """The node completing the set does not see the others' files."""
     save_layers(str(tmp_path), 3, copies(store(0), [0, 1]), "a")  # this node's layers; the others wrote elsewhere
     with pytest.raises(OobleckError, match="must be a directory every node shares"):
         mark_complete(str(tmp_path), 3, ident("a"))
@@ -283,7 +283,7 @@ def test_the_background_writer_runs_one_write_at_a_time_and_keeps_its_error():
 def test_resume_and_keep_follow_the_newest_run_not_the_highest_step(tmp_path):
     """A run that went back (checkpoint.load_step) writes lower steps than the run it left:
     resume takes its newest checkpoint and `keep` retires the oldest, never its own new ones
-    (issue 30, item 4: keep used to delete them as soon as they were published, and resume
+    (keep used to delete them as soon as they were published, and resume
     went back to the longer run)."""
     import dataclasses
 
@@ -302,7 +302,7 @@ def test_resume_and_keep_follow_the_newest_run_not_the_highest_step(tmp_path):
 
 def test_a_clock_ahead_on_one_node_does_not_reorder_a_runs_checkpoints(tmp_path):
     """Within one start of a run the higher step is the newer, whichever node's clock
-    published it; starts are ordered by their own start time (review of issue 30)."""
+    published it; starts are ordered by their own start time."""
     import dataclasses
 
     me = dataclasses.replace(ident("a"), instance="one", instance_started=1000.0)
@@ -317,7 +317,7 @@ def test_a_clock_ahead_on_one_node_does_not_reorder_a_runs_checkpoints(tmp_path)
 
 def test_keep_spares_the_step_a_generation_restores(tmp_path):
     """A write of the failed generation may publish while the next one restores an older step:
-    `keep` does not retire it under the readers (issue 30, item 5)."""
+    `keep` does not retire it under the readers."""
     me = ident("a")
     write(tmp_path, 2, store(0), me)
     save_layers(str(tmp_path), 4, copies(store(0)), "a")
@@ -330,7 +330,7 @@ def test_keep_spares_the_step_a_generation_restores(tmp_path):
 def test_another_jobs_checkpoint_is_refused_at_start_never_replaced_and_never_restored(tmp_path):
     """Two jobs in one checkpoint.dir: the second is refused before it trains, whatever
     checkpoint.resume says; a checkpoint of another job at the same step is not replaced; and a
-    step_<k> that is not this run's is not taken for its own (issue 30, item 2)."""
+    step_<k> that is not this run's is not taken for its own."""
     from oobleck_elastic.runtime.checkpoint import check_dir, published
 
     theirs = ident("x", "train.seed=5")

@@ -188,8 +188,8 @@ def test_evaluations_run_at_their_interval_and_again_after_a_failure_during_one(
     c.handle(Proposed(record(1, 2)))
     assert c.handle(Built(record(1, 2))) == Evaluate(2), "cut short on some workers: run again by all"
     assert c.handle(EvalDone(2)) == Train(2)
-    # the step after it fails: rank 0 recorded the evaluation, so it is not run again (issue 30,
-    # item 10: every failure used to run the last evaluation again)
+    # the step after it fails: rank 0 recorded the evaluation, so it is not run again
+    # (every failure used to run the last evaluation again)
     c.handle(StepFailed("died in step 2"))
     c.handle(Proposed(record(2, 2)))
     evaluated = dataclasses.replace(record(2, 2), evaluated=True)  # as the proposer found it recorded

@@ -1,5 +1,5 @@
 """The launcher's command line without processes: the job's rendezvous settings join those of
-torchrun's --rdzv-conf (issue 12: settings reach the nodes through the job config, not
+torchrun's --rdzv-conf (settings reach the nodes through the job config, not
 environment variables parsed by hand; the node command end to end on a real store:
 tests/store/test_launch_cli_store.py), and local nodes get GPUs no running node holds."""
 

@@ -165,7 +165,7 @@ PICKLING_COLLECTIVES = {"send_object_list", "recv_object_list", "broadcast_objec
 
 
 def test_nothing_that_crosses_the_network_is_unpickled():
-    """Issue 14, exposure: stores hold JSON, process groups carry tensors, and pipeline stages
+    """Exposure: stores hold JSON, process groups carry tensors, and pipeline stages
     get static shapes (runtime.generation Note: [static stage shapes]); no module unpickles what
     a peer sent. DCP's metadata file (a pickle torch writes, read back from the checkpoint
     directory by the job itself) and `torch.load(..., weights_only=True)` are local files."""

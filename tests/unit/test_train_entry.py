@@ -48,7 +48,7 @@ def test_bad_model_and_data_are_one_line_each_before_any_node_starts(tmp_path, c
         ([f"model.hf={gpt2}", f"data.tokens={tokens}", "eval.interval=2"], "the job has no eval data"),
         ([f"model.hf={gpt2}", f"data.tokens={tokens}", f"data.eval_tokens={beyond}", "eval.interval=2"],
          "data.eval_tokens: token id"),
-        # the plan, for the 2 nodes the job starts with (issue 14: known before any node starts)
+        # the plan, for the 2 nodes the job starts with (known before any node starts)
         ([f"model.hf={gpt2}", f"data.tokens={tokens}", "fault_tolerance=3", f"planner.profile_dir={tmp_path}/p"],
          "fault_tolerance=3 needs 4 replicas"),
         ([f"model.hf={gpt2}", f"data.tokens={tokens}", "planner.memory_per_worker=1KB",
