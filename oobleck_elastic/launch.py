@@ -19,16 +19,16 @@ import argparse
 import logging
 import sys
 
-from torch.distributed.run import get_args_parser
-
 from oobleck_elastic.config import JobConfig, load_config
 from oobleck_elastic.errors import OobleckError
-from oobleck_elastic.launcher import run_local_job, run_node
+from oobleck_elastic.launcher.node_starter import EarlyStarter, early_node_starter
 
 __all__ = ["main", "build_parser", "job_config_of"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser  # torch: imported once a local job's starter is on its way
+
     parser = get_args_parser()
     parser.prog = "python -m oobleck_elastic.launch"
     parser.add_argument("--oobleck-local-nodes", type=int, default=0, metavar="N",
@@ -71,6 +71,19 @@ def job_config_of(script_args: list[str]) -> JobConfig | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    early = early_node_starter(argv)  # a local job's node starter imports torch while we do
+    try:
+        return _launch(argv, early)
+    finally:
+        if early is not None:
+            early.kill_unless_taken()  # not a local job after all, or it ended before it began
+
+
+def _launch(argv: list[str], early: EarlyStarter | None) -> int:
+    from oobleck_elastic.launcher.local_job import run_local_job
+    from oobleck_elastic.launcher.node import run_node
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.oobleck_local_nodes:
             if args.oobleck_local_nodes < 1:
                 raise OobleckError(f"--oobleck-local-nodes must be >= 1, got {args.oobleck_local_nodes}")
-            return run_local_job(args, cfg)
+            starter = None
+            if early is not None and args.rdzv_id in ("none", early.run_id):
+                starter, args.rdzv_id = early.take(), early.run_id  # the job owns it from here
+            return run_local_job(args, cfg, starter=starter)
         return run_node(args, cfg)
     except OobleckError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -2,10 +2,7 @@
 CLI): one node, the oobleck agent with the oobleck rendezvous (node.py, what torchrun would run),
 or a whole local job, N nodes started and watched from this process (local_job.py).
 
-The top of the stack: it may import every layer, and nothing in the package imports it.
+The top of the stack: it may import every layer, and nothing in the package imports it. This
+file imports nothing, so the launcher can start a local job's node starter (node_starter.py)
+before torch is imported.
 """
-
-from oobleck_elastic.launcher.local_job import run_local_job
-from oobleck_elastic.launcher.node import run_node
-
-__all__ = ["run_local_job", "run_node"]

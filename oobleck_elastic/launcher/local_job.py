@@ -25,12 +25,11 @@ from oobleck_elastic.elastic.protocol import LauncherSide
 from oobleck_elastic.elastic.stores import StoreUnreachable
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.node import with_job_settings
-from oobleck_elastic.launcher.zygote import WORKER_MODULES, ForkedProcess, Zygote
-from oobleck_elastic.runtime.checkpoint import read_manifest
+from oobleck_elastic.launcher.node_starter import NODE_PROGRAM, node_env, spawn_node_starter
+from oobleck_elastic.launcher.zygote import ForkedProcess, Zygote
 
 __all__ = ["LocalNodes", "run_local_job", "node_command"]
 
-NODE_PROGRAM = (sys.executable, "-m", "oobleck_elastic.launch")  # what each node runs, before its arguments
 FAILED_GRACE_S = 5.0  # after a worker's fatal error, how long the other nodes get to leave
 
 
@@ -163,16 +162,13 @@ class LocalNodes:
     launcher's loop watches them, and a chaos schedule (launcher/chaos.py) signals them."""
 
     def __init__(self, command: list[str], log_dir: str, verbose: bool, protocol: LauncherSide,
-                 workers_per_node: int = 1, run_id: str = "") -> None:
+                 workers_per_node: int = 1, run_id: str = "", starter: Zygote | None = None) -> None:
         self.command, self.log_dir, self.verbose, self.protocol = command, log_dir, verbose, protocol
         self.workers_per_node = workers_per_node
-        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.env = node_env()
         self.procs: list[ForkedProcess] = []
         self.gpus: dict[int, list[int]] = {}  # node k -> the GPUs it was given
-        # the starter's environment names the run: /proc/PID/environ of every process forked from
-        # it (nodes, their workers) shows the starter's, so tools find the run's processes by it
-        self.zygote = Zygote.spawn({**self.env, "OOBLECK_RUN_ID": run_id}, run_id,
-                                   [NODE_PROGRAM[2], *WORKER_MODULES])
+        self.zygote = starter or spawn_node_starter(run_id)
 
     def start(self) -> int:
         """Starts one more node (its own session, so it can be killed as a unit); its k. The
@@ -229,11 +225,12 @@ class LocalNodes:
 
 
 def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
-                  tick: Callable[[LocalNodes], None] | None = None) -> int:
+                  tick: Callable[[LocalNodes], None] | None = None, starter: Zygote | None = None) -> int:
     """Runs the job of `args` (the launcher's parsed flags: --oobleck-local-nodes, --nproc-per-node,
     --rdzv-*, --max-restarts, --oobleck-add-node-at-step, --oobleck-log-dir, -v and the training
     script with its arguments) to its end; `cfg` is the job's configuration when the script
     takes one. `tick`: called with the nodes on every turn of the loop (a chaos schedule).
+    `starter`: the job's node starter if the launcher spawned it already (launcher/node_starter.py).
     Returns the launcher's exit status: 0 when the run finished or stopped on request."""
     nodes = args.oobleck_local_nodes
     run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
@@ -242,7 +239,7 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
     os.makedirs(args.oobleck_log_dir, exist_ok=True)
     local = LocalNodes(node_command(args, cfg, endpoint, run_id), args.oobleck_log_dir, bool(args.verbose), protocol,
                        workers_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1,
-                       run_id=run_id)
+                       run_id=run_id, starter=starter)
     procs, start_node = local.procs, local.start
     local.check_gpus(nodes + len(args.oobleck_add_node_at_step))
 
@@ -342,6 +339,8 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
         return 1
     if done.get("stopped"):
         try:  # the run records a stop only once its checkpoint is published; look anyway before saying so
+            from oobleck_elastic.runtime.checkpoint import read_manifest  # DCP: imported when used
+
             read_manifest(done["checkpoint_dir"], done["steps"])
         except (OSError, ValueError) as exc:
             print(f"oobleck: stopped on request after step {done['steps']}, but its checkpoint is not in "

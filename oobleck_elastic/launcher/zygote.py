@@ -56,7 +56,9 @@ __all__ = ["ForkedProcess", "WORKER_MODULES", "Zygote", "main"]
 START_TIMEOUT_S = 120.0  # the first child waits for the starter's imports
 # what a training worker imports besides the user's script: imported by a starter once
 WORKER_MODULES = ("torch.distributed.pipelining", "oobleck_elastic.elastic.worker", "oobleck_elastic.models",
-                  "oobleck_elastic.data")
+                  "oobleck_elastic.data",
+                  # the reporting worker draws each generation's layout before its first step
+                  "matplotlib.figure", "matplotlib.backends.backend_agg")
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # linux/prctl.h
 
 
@@ -170,6 +172,14 @@ class Zygote:
             for child in self.children.values():
                 if child.returncode is None and not _alive(child.pid):
                     child.returncode = 1
+
+    def kill(self) -> None:
+        """Ends a starter that has started nothing, without waiting for its imports."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.close()
 
     def close(self) -> None:
         """Ends the starter (children that do not die with it live on)."""
@@ -346,7 +356,12 @@ def serve(channel: socket.socket, modules: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # argv: --rdzv-id=RUN (names the job in `ps`), the modules to import (comma-separated), the socket's fd
-    return serve(socket.socket(fileno=int(argv[-1])), [m for m in argv[-2].split(",") if m])
+    code = serve(socket.socket(fileno=int(argv[-1])), [m for m in argv[-2].split(",") if m])
+    # Out without the interpreter's teardown: with torch imported it takes a second or two, and
+    # the owner waits for this process (nothing here has anything left to write or run).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -73,14 +73,18 @@ def test_local_job_trains_reports_and_matches_reference(tmp_path):
 
 
 def test_bad_config_fails_before_any_worker_starts(tmp_path):
+    """Refused before any node starts; the node starter spawned before the flags were read is
+    gone with the launcher."""
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes", "2",
-                           "--oobleck-log-dir", str(tmp_path / "logs"), str(ROOT / "examples/gpt/train.py"),
+                           "--rdzv-id=badconfig", "--oobleck-log-dir", str(tmp_path / "logs"),
+                           str(ROOT / "examples/gpt/train.py"),
                            "--config", str(ROOT / "examples/gpt/config.yaml"), "--set", "train.microbatch_size=5"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "error: train.global_batch_size (64) must be a multiple of train.microbatch_size (5)" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "logs").exists(), "no node was started"
+    assert not jobs.run_processes("badconfig"), "the node starter outlived the launcher"
 
 
 def test_two_local_jobs_on_one_etcd_recover_apart_match_the_reference_and_leave_only_their_records(
