@@ -34,7 +34,7 @@ class RunFailed(OobleckError):
 
 class CheckpointDamaged(OobleckError):
     """A checkpoint's file does not match its checksum, or holds what oobleck_elastic never
-    writes: no fallback takes that checkpoint again (runtime/checkpoint.py)."""
+    writes: no fallback takes that checkpoint again (runtime/checkpoint/)."""
 
 
 class ConfigError(OobleckError, ValueError):

@@ -272,7 +272,7 @@ class PlannerConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Checkpoints: what a stopped job resumes from, and the fallback when more failures than
-    replicas occur (runtime/checkpoint.py Note: [checkpoint manifest])."""
+    replicas occur (runtime/checkpoint/manifest.py Note: [checkpoint manifest])."""
 
     dir: str = "checkpoints"
     """Directory of checkpoints, shared by every node (one file per layer; a step is published

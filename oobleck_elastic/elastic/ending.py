@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.checkpoints import RunCheckpoints
+from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.controller import Finished
 from oobleck_elastic.elastic.protocol import WaitTimeout, WorkerSide
 from oobleck_elastic.elastic.step_errors import CheckpointMissing

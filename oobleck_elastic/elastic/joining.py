@@ -20,7 +20,7 @@ import gc
 from typing import cast
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.checkpoints import RunCheckpoints
+from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.controller import RunOver, Started
 from oobleck_elastic.elastic.job import WorkerIdentity, job_description, plan_run
 from oobleck_elastic.elastic.logs import Prefixed

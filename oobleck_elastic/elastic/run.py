@@ -20,7 +20,7 @@ import time
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.change_clock import ChangeClock
-from oobleck_elastic.elastic.checkpoints import RunCheckpoints
+from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.controller import (
     Admitted,
     Build,

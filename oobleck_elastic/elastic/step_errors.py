@@ -16,7 +16,7 @@ Note: [failed build]
     others. StoreUnreachable: the membership store is gone past its outage timeout, so no
     recovery could agree on anything. A checkpoint that does not load (damaged, gone, another
     run's) is not fatal: the trainer raises CheckpointUnreadable, the step is marked damaged,
-    and the next fallback takes the one before it (runtime/checkpoint.py Note: [newest
+    and the next fallback takes the one before it (runtime/checkpoint/manifest.py Note: [newest
     checkpoint]). A bug that fails every build with every node alive is a failed build too,
     yet cannot loop: its recoveries are replays (planning/recovery.py is_replay), and the
     controller gives up after MAX_REPLAYS_WITHOUT_LOSS of them with the last error whole

@@ -1,4 +1,4 @@
-"""What a restored layer is (runtime.checkpoint Note: [checkpoint format]): the job's config
+"""What a restored layer is (runtime/checkpoint/layout.py Note: [checkpoint format]): the job's config
 builds its optimizer (lr, weight decay, betas, the groups of train.no_weight_decay) and the
 checkpoint fills in the per-parameter state, by name, so it steps exactly like a replica that a
 layer transfer built; and nothing in the checkpoint directory runs code in the process that
@@ -21,7 +21,6 @@ from examples.gpt.model import GPTConfig, gpt_model
 from oobleck_elastic.config import load_config
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.runtime.checkpoint import (
-    _layer_digest,
     checkpoint_id,
     host_copy,
     load_model_state,
@@ -29,6 +28,7 @@ from oobleck_elastic.runtime.checkpoint import (
     restore_layers,
     save_layers,
 )
+from oobleck_elastic.runtime.checkpoint.layout import layer_digest
 from oobleck_elastic.runtime.layers import LayerState, LayerStore
 from oobleck_elastic.runtime.lr import lr_factor
 
@@ -163,7 +163,7 @@ def _plant(root, marker: str, how: str) -> None:
     with open(layer / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     manifest = json.loads((root / "step_00000002" / "manifest.json").read_text())
-    manifest["sha256"][1] = _layer_digest(str(layer))
+    manifest["sha256"][1] = layer_digest(str(layer))
     (root / "step_00000002" / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -213,7 +213,7 @@ def test_a_checkpoint_directory_cannot_run_code_or_read_other_files(tmp_path, ho
 
 def test_only_the_dcp_reader_reads_checkpoint_directories():
     """torch's own readers (FileSystemReader, dcp.load, dcp_to_torch_save) unpickle `.metadata`
-    and non-tensor entries unchecked: the package reads checkpoints through runtime.dcp_reader."""
+    and non-tensor entries unchecked: the package reads checkpoints through runtime.checkpoint.dcp_reader."""
     found = []
     for path in (pathlib.Path(__file__).resolve().parents[2] / "oobleck_elastic").rglob("*.py"):
         if path.name == "dcp_reader.py":

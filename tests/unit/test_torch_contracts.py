@@ -7,7 +7,7 @@ by name, instead of somewhere in a job.
   torch.distributed.distributed_c10d._world.group_count                   runtime/generation.py
   PipelineStage.backward_maybe_with_nosync(backward_type, kwargs, last_backward)  runtime/generation.py
   torch.serialization._get_layout, torch.distributed.checkpoint's metadata classes
-      (_MEM_FORMAT_ENCODING, _StorageInfo) in DCP's .metadata pickle     runtime/dcp_reader.py
+      (_MEM_FORMAT_ENCODING, _StorageInfo) in DCP's .metadata pickle     runtime/checkpoint/dcp_reader.py
   local_elastic_agent.start_processes, called by LocalElasticAgent._start_workers, and
       SubprocessContext's handlers (.proc, .close)                         elastic/agent.py,
                                                                            launcher/forked_workers.py

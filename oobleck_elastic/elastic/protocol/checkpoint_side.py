@@ -1,4 +1,4 @@
-"""A run's checkpoint bookkeeping on the store (elastic/checkpoints.py's): how many layers of a
+"""A run's checkpoint bookkeeping on the store (elastic/run_checkpoints.py's): how many layers of a
 checkpoint are written, which publications were found damaged, which checkpoint the newest
 generation restores, and a start that cannot resume."""
 

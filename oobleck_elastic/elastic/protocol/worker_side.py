@@ -75,7 +75,7 @@ class WorkerSide(Side):
 
     def instance(self) -> tuple[str, float]:
         """This start of the run: one random id and the wall time it began, the first worker's,
-        that every worker and joiner reads (runtime/checkpoint.py Note: [newest checkpoint])."""
+        that every worker and joiner reads (runtime/checkpoint/manifest.py Note: [newest checkpoint])."""
         self.store.create_json(key("instance"), {"id": uuid.uuid4().hex[:12], "at": self.clocks.wall()})
         record = self.store.get_json(key("instance"), 10.0)
         return str(record["id"]), float(record["at"])

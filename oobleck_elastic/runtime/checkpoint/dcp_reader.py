@@ -12,7 +12,7 @@ Note: [checkpoint trust]
       names is refused. torch's weights-only unpickler would do the same, but it does not read
       pickle protocol 4 (FRAME, MEMOIZE, STACK_GLOBAL), which DCP writes.
     * every entry loaded must be a tensor in that metadata (`load_tensors`): a checkpoint holds
-      nothing else (runtime.checkpoint Note: [checkpoint format]); entries not asked for, such
+      nothing else (runtime/checkpoint/layout.py Note: [checkpoint format]); entries not asked for, such
       as older checkpoints' `optim_groups`, are never read.
     * DCP reads tensors with torch.load(weights_only=True), and here only from files inside
       the directory: a storage path that leads elsewhere is refused.
@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 from oobleck_elastic.errors import CheckpointDamaged, OobleckError
 
 __all__ = ["read_metadata", "flat_keys", "load_tensors", "empty_tensors"]
+
 
 # What DCP's `.metadata` pickle is made of, as torch 2.13 writes it: its dataclasses,
 # torch.Size, dtypes and layouts, and the path its writer records (Note: [checkpoint trust]).

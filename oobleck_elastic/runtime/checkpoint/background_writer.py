@@ -1,5 +1,5 @@
 """One checkpoint write at a time, in a thread beside training: what lets a checkpoint cost a
-step only its copy to host memory (runtime/checkpoint.py Note: [checkpoint format])."""
+step only its copy to host memory (runtime/checkpoint/layout.py Note: [checkpoint format])."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A run's checkpoints as one worker sees them: the checkpoint a starting job resumes from,
 writing them (at the interval in the background, after the last step or a stop in the
 foreground), and the one the fallback restores when more nodes fail than replicas cover. The
-files themselves are runtime/checkpoint.py's (Note: [checkpoint manifest])."""
+files themselves are runtime/checkpoint/'s (Note: [checkpoint manifest])."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class RunCheckpoints:
 
     def mark_damaged(self, step: int, why: str) -> None:
         """The checkpoint of `step` did not match its checksums as it was loaded: its current
-        publication is never taken again (Note: [newest checkpoint] in runtime/checkpoint.py)."""
+        publication is never taken again (Note: [newest checkpoint] in runtime/checkpoint/manifest.py)."""
         try:
             publication = identity(read_manifest(self.cfg.dir, step))
         except (OSError, ValueError):
