@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.controller import Finished
 from oobleck_elastic.elastic.protocol import WaitTimeout, WorkerSide
+from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.step_errors import CheckpointMissing
 from oobleck_elastic.monitoring.report_seat import ReportSeat
 from oobleck_elastic.runtime.fault_hook import NO_FAULTS, FaultHook

@@ -20,13 +20,13 @@ import gc
 from typing import cast
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.controller import RunOver, Started
 from oobleck_elastic.elastic.job import WorkerIdentity, job_description, plan_run
 from oobleck_elastic.elastic.logs import Prefixed
 from oobleck_elastic.elastic.proposing import Proposer
 from oobleck_elastic.elastic.protocol import WorkerSide
 from oobleck_elastic.elastic.records import GenerationRecord
+from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.planning import TemplateSet, WorkerRef, instantiate
 from oobleck_elastic.planning.recovery import NextLayout
 from oobleck_elastic.runtime.fault_hook import NO_FAULTS, FaultHook

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 from oobleck_elastic.config import JobConfig
-from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.logs import Prefixed
 from oobleck_elastic.elastic.protocol import WaitTimeout, WorkerSide
 from oobleck_elastic.elastic.records import GenerationRecord
+from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.errors import RunFailed
 from oobleck_elastic.planning import TemplateSet
 from oobleck_elastic.planning.recovery import Base, NoCheckpointError, plan_next

@@ -20,7 +20,6 @@ import time
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.change_clock import ChangeClock
-from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.controller import (
     Admitted,
     Build,
@@ -50,6 +49,7 @@ from oobleck_elastic.elastic.logs import Prefixed, worker_prefix
 from oobleck_elastic.elastic.proposing import Proposer
 from oobleck_elastic.elastic.protocol import CheckpointSide, Fenced, WorkerSide
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
+from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.step_errors import STEP_ERRORS, cause_of, device_error
 from oobleck_elastic.elastic.stores import MembershipStore
 from oobleck_elastic.errors import OobleckError

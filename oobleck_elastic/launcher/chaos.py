@@ -12,22 +12,43 @@ hit), each on members of the current generation:
 A replacement node is started after each loss, injected or not (a node fenced after being
 taken for dead leaves on its own), so the job keeps its size and joins are exercised too. The
 schedule never leaves fewer than `min_alive` members.
+
+Then the comparison with a failure-free run of the same script, alone: every logged step's loss
+against the reference's loss of that step, and the final weights tensor by tensor; and the
+processes of the run left behind.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
+import psutil
+import torch
+
+from oobleck_elastic.elastic.process import run_id_of
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.local_job import LocalNodes
 from oobleck_elastic.monitoring.metrics import read_records
+from oobleck_elastic.runtime.checkpoint import load_model_state, read_manifest
 
-__all__ = ["KINDS", "ChaosConfig", "ChaosSchedule", "Injection", "ChaosReport", "chaos_report"]
+__all__ = ["KINDS", "LOSS_RTOL", "WEIGHTS_RTOL", "ChaosConfig", "ChaosSchedule", "Injection", "ChaosReport",
+           "chaos_report", "compare_losses", "compare_weights", "job_args", "orphans", "reference_run"]
+
+# Float64 runs on different layouts sum each gradient in a different order, and training
+# amplifies that rounding over steps (measured here: 1e-13 after 1,300 steps, 2.5e-8 after
+# 4,500 for the chaos run and the failure-free 5-node run alike). A sample used twice or not at
+# all moves its step's loss by ~1e-3 and the weights by ~1e-4; a lost update more. The bounds
+# sit between the two, two orders of magnitude from each.
+LOSS_RTOL = 1e-7
+WEIGHTS_RTOL = 1e-6
 
 KINDS = ("kill", "kill_in_recovery", "kill_two", "hang")
 
@@ -198,3 +219,75 @@ def chaos_report(injections: list[Injection], metrics_path: str) -> ChaosReport:
                        fallbacks=sum(1 for r in recoveries if r.get("restored_from") is not None),
                        lost_s=tuple(lost), steps_redone=len(steps) - len({r["step"] for r in steps}),
                        steps=len({r["step"] for r in steps}), final=finals[-1] if finals else None)
+
+
+# --- the comparison with a failure-free run -----------------------------------------------------
+
+def job_args(script_args: list[str], out: str, name: str) -> list[str]:
+    """The script's arguments with the record's paths under `out`/`name` and no resume."""
+    paths = {"monitoring.metrics_path": f"{out}/{name}/metrics.jsonl",
+             "monitoring.tensorboard_dir": f"{out}/{name}/tb", "checkpoint.dir": f"{out}/{name}/checkpoints"}
+    return [*script_args, *(a for k, v in paths.items() for a in ("--set", f"{k}={v}")),
+            "--set", "checkpoint.resume=never"]
+
+
+def orphans(run_id: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if run_id_of(proc) == run_id and proc.pid != os.getpid():
+                found.append(proc.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def reference_run(script: str, args: list[str], out: str) -> None:
+    """The failure-free run: the same script, alone (one process trains the whole job)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OOBLECK_")}
+    proc = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=7200)
+    if proc.returncode != 0:
+        raise OobleckError(f"the failure-free reference run failed:\n{proc.stderr[-2000:]}")
+
+
+def _relative(diff: float, scale: float) -> float:
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def compare_losses(records: list[dict], reference: list[dict]) -> tuple[int, float, int | None]:
+    """(step records compared, largest relative loss difference, its step): every step the run
+    logged, including those later redone, against the reference's record of that step."""
+    theirs = {r["step"]: r["loss"] for r in reference if "event" not in r and "loss" in r}
+    diffs = [(_relative(abs(r["loss"] - theirs[r["step"]]), abs(theirs[r["step"]])) if r["step"] in theirs
+              else math.inf, r["step"]) for r in records if "event" not in r and "loss" in r]
+    worst, at = max(diffs, default=(0.0, None))
+    return len(diffs), worst, at
+
+
+def compare_weights(job_dir: str, ref_dir: str, final: dict | None, reference: dict | None) -> tuple[float, str]:
+    """(largest relative difference, what was compared): both checkpoints of the last step, per
+    tensor ||ours - theirs|| / ||theirs||. A run must end with its last step's checkpoint
+    published, so a missing one is a failure of the run (infinite difference), not a reason to
+    compare something weaker."""
+    if final is None or reference is None or final.get("steps") != reference.get("steps"):
+        return math.inf, "the runs' final records differ in length or are missing"
+    step = final["steps"]
+    try:
+        layers = read_manifest(job_dir, step)["layers"]
+    except (OSError, ValueError) as exc:
+        return math.inf, f"the run's checkpoint of its last step {step} is missing or unreadable ({exc})"
+    try:
+        read_manifest(ref_dir, step)
+    except (OSError, ValueError) as exc:
+        return math.inf, f"the failure-free run's checkpoint of step {step} is missing or unreadable ({exc})"
+    ours, theirs = load_model_state(job_dir, step, layers), load_model_state(ref_dir, step, layers)
+    if ours.keys() != theirs.keys():
+        return math.inf, f"the checkpoints of step {step} hold different tensors"
+    worst = 0.0
+    for name, t in theirs.items():
+        if t.is_floating_point():
+            a, b = ours[name].double(), t.double()
+            worst = max(worst, _relative(torch.linalg.vector_norm(a - b).item(), torch.linalg.vector_norm(b).item()))
+        elif not torch.equal(ours[name], t):
+            worst = math.inf
+    return worst, f"each tensor of the checkpoints of step {step}"

@@ -1,4 +1,4 @@
-"""The chaos runner (oobleck_elastic/chaos.py) without processes: its report, read from a
+"""The chaos runner (oobleck_elastic/launcher/chaos.py) without processes: its report, read from a
 metrics log, counts exactly; its schedule refuses what cannot fail a node and replaces nodes
 that leave on their own; its comparison checks every logged step (the seeded run itself:
 tests/jobs/test_chaos_jobs.py)."""
@@ -9,8 +9,14 @@ import json
 
 import pytest
 
-from oobleck_elastic.chaos import compare_losses, compare_weights
-from oobleck_elastic.launcher.chaos import ChaosConfig, ChaosSchedule, Injection, chaos_report
+from oobleck_elastic.launcher.chaos import (
+    ChaosConfig,
+    ChaosSchedule,
+    Injection,
+    chaos_report,
+    compare_losses,
+    compare_weights,
+)
 
 
 def test_the_report_counts_failures_recoveries_lost_time_and_redone_steps(tmp_path):
