@@ -1,11 +1,12 @@
 """A whole job on this machine (`--oobleck-local-nodes N`): hosts the membership store (or
 uses the etcd server that `--rdzv-conf store=etcd` and `--rdzv-endpoint` name), starts N node
 agents, each in its own process group so a node can be killed as a unit, and watches the run
-through the store: one progress line per interval, one line per reconfiguration, nodes added at
-the steps asked for, a dead agent marked dead at once, a stop on SIGTERM or Ctrl-C.
+through the store (`LocalJob`, with the watchers of launcher/job_watchers.py): one progress line
+per interval, one line per reconfiguration, nodes added at the steps asked for, a dead agent
+marked dead at once, a stop on SIGTERM or Ctrl-C.
 
 Each node runs `python -m oobleck_elastic.launch --oobleck-node ...` (launcher/node.py), forked
-by the zygote (launcher/zygote.py) so that torch is imported once for all the nodes.
+by the node starter (launcher/node_starter.py) so that torch is imported once for all the nodes.
 """
 
 from __future__ import annotations
@@ -24,49 +25,21 @@ from oobleck_elastic.config import JobConfig
 from oobleck_elastic.elastic.protocol import LauncherSide
 from oobleck_elastic.elastic.stores import StoreUnreachable
 from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.launcher.job_watchers import (
+    DeadNodes,
+    Finish,
+    Progress,
+    Recoveries,
+    RunFailure,
+    StopOnSignal,
+    Tick,
+    Watcher,
+)
 from oobleck_elastic.launcher.node import with_job_settings
 from oobleck_elastic.launcher.node_starter import NODE_PROGRAM, node_env, spawn_node_starter
 from oobleck_elastic.launcher.zygote import ForkedProcess, Zygote
 
-__all__ = ["LocalNodes", "run_local_job", "node_command"]
-
-FAILED_GRACE_S = 5.0  # after a worker's fatal error, how long the other nodes get to leave
-
-
-def _progress_line(rec: dict, first: tuple[float, int]) -> str:
-    """One line per interval; the ETA extrapolates the steps seen since the first one."""
-    step, total = rec["step"] + 1, rec.get("total_steps", 0)
-    seen_at, seen_step = first
-    done = step - seen_step
-    eta = f"{(time.monotonic() - seen_at) / done * (total - step):5.0f} s" if done > 0 else "    ? s"
-    return (f"step {step:>5}/{total}  loss {rec['loss']:.4f}  {rec['samples_per_s']:8.1f} samples/s  "
-            f"gen {rec['generation']}  {rec['nodes']} nodes  {rec['num_pipelines']} pipelines "
-            f"{rec['pipelines']}  ETA {eta}")
-
-
-def _recovery_line(rec: dict) -> str:
-    what = " ".join(filter(None, [f"lost node(s) {rec['lost']}" if rec["lost"] else "",
-                                  f"joined node(s) {rec['joined']}" if rec["joined"] else ""]))
-    phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in rec["phases_s"].items())
-    return (f"reconfigured -> generation {rec['generation']}: {what} at step {rec['step'] + 1}, "
-            f"{rec['total_s']:.2f} s ({phases}), {rec['transfers']} layer copies "
-            f"({rec['bytes_moved'] / 2**20:.1f} MiB); " + "; ".join(rec["actions"]))
-
-
-def _mark_dead_nodes(protocol: LauncherSide, procs: list[ForkedProcess], dead: set[int]) -> None:
-    """A node whose agent process exited before the run is done is dead: say so in the store
-    at once (faster than its lease expiring)."""
-    if protocol.finished():
-        return
-    for k, p in enumerate(procs):
-        if k in dead or p.poll() is None or p.returncode == 0:  # 0: it finished (a stop, the end)
-            continue
-        dead.add(k)
-        node = _node_of_pid(protocol, p.pid)
-        if node is not None:
-            protocol.liveness.mark_dead(node, f"agent exited with {p.returncode}")
-            print(f"oobleck: node {node} died (agent exit code {p.returncode})", flush=True)
-
+__all__ = ["LocalJob", "LocalNodes", "run_local_job", "node_command"]
 
 def _node_of_pid(protocol: LauncherSide, pid: int) -> int | None:
     """The newest node id registered by agent `pid` (a node whose workers torch restarted
@@ -96,34 +69,6 @@ def _local_store(args: argparse.Namespace, run_id: str):
     port = int(args.rdzv_endpoint.rpartition(":")[2]) if args.rdzv_endpoint else 0
     store = host_store("127.0.0.1", port, run_id)
     return store, f"127.0.0.1:{store.port}"
-
-
-class _StopOnSignal:
-    """SIGTERM or Ctrl-C: the first asks the run to stop after its current step (Note: [stop on
-    request] in elastic/agent.py), the second kills the nodes. The handler only takes note; the
-    launcher's loop writes the request (no store call from inside a signal handler)."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self.sent = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-
-    def publish(self, protocol: LauncherSide) -> None:
-        if self.signal is None or self.sent:
-            return
-        protocol.request_stop(f"the launcher ({self.signal})")
-        self.sent = True
-        print(f"oobleck: {self.signal}: stopping after the current step and writing a checkpoint "
-              "(again to kill the nodes now)", file=sys.stderr, flush=True)
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def node_command(args: argparse.Namespace, cfg: JobConfig | None, endpoint: str, run_id: str) -> list[str]:
@@ -232,126 +177,89 @@ def run_local_job(args: argparse.Namespace, cfg: JobConfig | None,
     takes one. `tick`: called with the nodes on every turn of the loop (a chaos schedule).
     `starter`: the job's node starter if the launcher spawned it already (launcher/node_starter.py).
     Returns the launcher's exit status: 0 when the run finished or stopped on request."""
-    nodes = args.oobleck_local_nodes
-    run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
-    store, endpoint = _local_store(args, run_id)
-    protocol = LauncherSide(store)
-    os.makedirs(args.oobleck_log_dir, exist_ok=True)
-    local = LocalNodes(node_command(args, cfg, endpoint, run_id), args.oobleck_log_dir, bool(args.verbose), protocol,
-                       workers_per_node=int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1,
-                       run_id=run_id, starter=starter)
-    procs, start_node = local.procs, local.start
-    local.check_gpus(nodes + len(args.oobleck_add_node_at_step))
+    return LocalJob(args, cfg, starter).run([Tick(tick)] if tick else [])
 
-    pending_adds = sorted(args.oobleck_add_node_at_step)
-    print(f"oobleck: {nodes} local nodes x {args.nproc_per_node} worker(s), run {run_id}, store "
-          f"{store.url}; node logs in {args.oobleck_log_dir}/", flush=True)
-    for _ in range(nodes):
-        start_node()
-    started = time.monotonic()
-    first: tuple[float, int] | None = None
-    last_step = -1
-    interval = cfg.monitoring.log_interval if cfg else 1
-    generation = 0
-    finished_at = failed_at = None
-    lost_store = False
-    said = False
-    dead: set[int] = set()
-    resumed = None
-    stopper = _StopOnSignal()
-    try:
-        while any(p.poll() is None for p in procs):
-            stopper.publish(protocol)
-            _mark_dead_nodes(protocol, procs, dead)
-            failure = protocol.failure()
-            if failure is not None:  # the run cannot go on: nodes waiting to join would wait in vain
-                failed_at = failed_at or time.monotonic()
-                if not said:
-                    print(f"oobleck: the run failed ({failure['by']}): {failure['error']}", file=sys.stderr, flush=True)
-                    said = True
-                if time.monotonic() - failed_at > FAILED_GRACE_S:
-                    break  # what is left is killed below
-            elif tick is not None and not protocol.finished():
-                tick(local)
-            rec = protocol.progress()
-            if rec and rec["step"] != last_step:
-                first = first or (time.monotonic(), rec["step"] + 1)
-                # a line whenever a multiple of the interval was passed: polling may skip steps
-                if (rec["step"] + 1) // interval > (last_step + 1) // interval or rec["step"] + 1 == rec["total_steps"]:
-                    if resumed is None and (resumed := protocol.resumed() or {}):
-                        print(f"oobleck: resumed from step {resumed['step']} (the checkpoint of run "
-                              f"{resumed['from_run']} in {resumed['checkpoint_dir']})", flush=True)
-                    print(_progress_line(rec, first), flush=True)
-                last_step = rec["step"]
-                while pending_adds and rec["step"] + 1 >= pending_adds[0]:
-                    pending_adds.pop(0)
-                    start_node()
-                    print(f"oobleck: starting one more node (agent {procs[-1].pid}); it joins when ready",
-                          flush=True)
-            # One record per recovery, named by the generation it ended in (a recovery that
-            # spans several generations, after a failure during the recovery, has one record).
-            pointer = protocol.try_pointer()
-            latest = generation if pointer is None else pointer.generation
-            for g in range(generation + 1, latest + 1):
-                if recovery := protocol.recovery(g):
-                    generation = g
-                    print(_recovery_line(recovery), flush=True)
-            if len(dead) == len(procs):
-                break
-            if protocol.finished():
-                # Nodes left out of the last generation (hung, fenced) never finish on their own.
-                members = set(protocol.current(10.0).nodes)
-                for k, p in enumerate(procs):
-                    if p.poll() is None and _node_of_pid(protocol, p.pid) not in members:
-                        local.signal(k, signal.SIGKILL)
-                finished_at = finished_at or time.monotonic()
-                if time.monotonic() - finished_at > 30:
-                    stuck = [p.pid for p in procs if p.poll() is None]
-                    print(f"oobleck: the run is done but agent(s) {stuck} did not exit; stopping them",
-                          file=sys.stderr)
+
+class LocalJob:
+    """One local job: its store, its nodes, and the loop that watches its run (launcher/
+    job_watchers.py) until it ends; then what the launcher says of it."""
+
+    def __init__(self, args: argparse.Namespace, cfg: JobConfig | None, starter: Zygote | None = None) -> None:
+        self.args, self.cfg = args, cfg
+        self.run_id = args.rdzv_id if args.rdzv_id != "none" else uuid.uuid4().hex[:8]
+        self.store, endpoint = _local_store(args, self.run_id)
+        self.protocol = LauncherSide(self.store)
+        os.makedirs(args.oobleck_log_dir, exist_ok=True)
+        workers = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
+        self.nodes = LocalNodes(node_command(args, cfg, endpoint, self.run_id), args.oobleck_log_dir,
+                                bool(args.verbose), self.protocol, workers_per_node=workers, run_id=self.run_id,
+                                starter=starter)
+        self.nodes.check_gpus(args.oobleck_local_nodes + len(args.oobleck_add_node_at_step))
+
+    def run(self, extra: list[Watcher]) -> int:
+        """Starts the nodes and watches the run to its end; the launcher's exit status."""
+        args = self.args
+        print(f"oobleck: {args.oobleck_local_nodes} local nodes x {args.nproc_per_node} worker(s), run "
+              f"{self.run_id}, store {self.store.url}; node logs in {args.oobleck_log_dir}/", flush=True)
+        for _ in range(args.oobleck_local_nodes):
+            self.nodes.start()
+        started = time.monotonic()
+        stopper, dead = StopOnSignal(), DeadNodes()
+        watchers: list[Watcher] = [stopper, dead, RunFailure(), *extra,
+                                   Progress(self.cfg.monitoring.log_interval if self.cfg else 1,
+                                            args.oobleck_add_node_at_step),
+                                   Recoveries(), Finish(dead)]
+        lost_store = False
+        try:
+            while any(p.poll() is None for p in self.nodes.procs):
+                if any(w.watch(self) for w in watchers):  # the first that ends the loop ends it
                     break
-            time.sleep(0.1)
-    except StoreUnreachable as exc:  # etcd gone for longer than its outage timeout: nothing can go on
-        print(f"oobleck: {exc}; stopping the job", file=sys.stderr, flush=True)
-        lost_store = True
-    except KeyboardInterrupt:
-        print("interrupted: killing every node", file=sys.stderr)
-    finally:
-        stopper.restore()
-        for k, p in enumerate(procs):  # what is left is stuck or was interrupted twice (a SIGTERM would ask for a stop)
-            if p.poll() is None:
-                local.signal(k, signal.SIGKILL)  # the agent and its workers, even one not watching it yet
-                p.wait()
-        local.close()
-    failed = [k for k, p in enumerate(procs) if p.returncode != 0]
-    done = None if lost_store else protocol.done()
-    if not done:
-        print(f"oobleck: the job did not finish; node logs (by start order): "
-              f"{', '.join(f'{args.oobleck_log_dir}/node{k}.log' for k in failed)}", file=sys.stderr)
-        for k in failed:
-            if args.verbose:
-                break
-            lines = open(os.path.join(args.oobleck_log_dir, f"node{k}.log")).read().splitlines()
-            errors = [line for line in lines if line.startswith("error:")]
-            if errors:
-                print(f"  {errors[-1]}", file=sys.stderr)
-                break
-        return 1
-    if done.get("stopped"):
-        try:  # the run records a stop only once its checkpoint is published; look anyway before saying so
-            from oobleck_elastic.runtime.checkpoint import read_manifest  # DCP: imported when used
+                time.sleep(0.1)
+        except StoreUnreachable as exc:  # etcd gone for longer than its outage timeout: nothing can go on
+            print(f"oobleck: {exc}; stopping the job", file=sys.stderr, flush=True)
+            lost_store = True
+        except KeyboardInterrupt:
+            print("interrupted: killing every node", file=sys.stderr)
+        finally:
+            stopper.restore()
+            for k, p in enumerate(self.nodes.procs):  # what is left is stuck or was interrupted twice
+                if p.poll() is None:
+                    self.nodes.signal(k, signal.SIGKILL)  # the agent and its workers, even one not watching it yet
+                    p.wait()
+            self.nodes.close()
+        return self._verdict(None if lost_store else self.protocol.done(), started)
 
-            read_manifest(done["checkpoint_dir"], done["steps"])
-        except (OSError, ValueError) as exc:
-            print(f"oobleck: stopped on request after step {done['steps']}, but its checkpoint is not in "
-                  f"{done['checkpoint_dir']} ({exc}); a relaunch resumes from an older one", file=sys.stderr)
+    def _verdict(self, done: dict | None, started: float) -> int:
+        """What the launcher says of the run that ended, and its exit status."""
+        args = self.args
+        if not done:
+            failed = [k for k, p in enumerate(self.nodes.procs) if p.returncode != 0]
+            print(f"oobleck: the job did not finish; node logs (by start order): "
+                  f"{', '.join(f'{args.oobleck_log_dir}/node{k}.log' for k in failed)}", file=sys.stderr)
+            for k in failed:
+                if args.verbose:
+                    break
+                lines = open(os.path.join(args.oobleck_log_dir, f"node{k}.log")).read().splitlines()
+                errors = [line for line in lines if line.startswith("error:")]
+                if errors:
+                    print(f"  {errors[-1]}", file=sys.stderr)
+                    break
             return 1
-        print(f"oobleck: stopped on request after step {done['steps']}; its checkpoint is in {done['checkpoint_dir']}: "
-              "run the same command to resume from it")
+        if done.get("stopped"):
+            try:  # the run records a stop only once its checkpoint is published; look anyway before saying so
+                from oobleck_elastic.runtime.checkpoint import read_manifest  # DCP: imported when used
+
+                read_manifest(done["checkpoint_dir"], done["steps"])
+            except (OSError, ValueError) as exc:
+                print(f"oobleck: stopped on request after step {done['steps']}, but its checkpoint is not in "
+                      f"{done['checkpoint_dir']} ({exc}); a relaunch resumes from an older one", file=sys.stderr)
+                return 1
+            print(f"oobleck: stopped on request after step {done['steps']}; its checkpoint is in "
+                  f"{done['checkpoint_dir']}: run the same command to resume from it")
+            return 0
+        print(f"oobleck: finished {done['steps']} steps in {time.monotonic() - started:.1f} s")
+        if self.cfg:
+            print(f"  metrics log: {self.cfg.monitoring.metrics_path}")
+            print(f"  TensorBoard: tensorboard --logdir {self.cfg.monitoring.tensorboard_dir}  "
+                  "(then open http://localhost:6006)")
         return 0
-    print(f"oobleck: finished {done['steps']} steps in {time.monotonic() - started:.1f} s")
-    if cfg:
-        print(f"  metrics log: {cfg.monitoring.metrics_path}")
-        print(f"  TensorBoard: tensorboard --logdir {cfg.monitoring.tensorboard_dir}  "
-              "(then open http://localhost:6006)")
-    return 0
