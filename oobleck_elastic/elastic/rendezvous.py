@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from oobleck_elastic.elastic.logs import Prefixed, agent_prefix
-from oobleck_elastic.elastic.protocol import AgentSide, Liveness
+from oobleck_elastic.elastic.protocol import AgentSide, Liveness, WaitTimeout
 from oobleck_elastic.elastic.stores import EmbeddedStore, MembershipStore, StoreAddressInUse, StoreUnreachable
 from oobleck_elastic.errors import ConfigError
 
@@ -132,13 +132,13 @@ class OobleckRendezvousHandler(RendezvousHandler):
             self._check_limits()
         node = self._register()
         if not self.protocol.begun():
-            deadline = time.monotonic() + self.timeout
-            while (registered := self.protocol.registered()) < self.min_nodes:
-                if time.monotonic() > deadline:
-                    raise RendezvousTimeoutError(
-                        f"only {registered} of {self.min_nodes} nodes joined within {self.timeout:.0f} s; "
-                        "start the other nodes with the same --rdzv-endpoint and --rdzv-id")
-                time.sleep(0.05)
+            try:
+                self.protocol.wait(f"{self.min_nodes} nodes to register",
+                                   lambda: self.protocol.registered() >= self.min_nodes, self.timeout)
+            except WaitTimeout as exc:
+                raise RendezvousTimeoutError(
+                    f"only {self.protocol.registered()} of {self.min_nodes} nodes joined within {self.timeout:g} s; "
+                    "start the other nodes with the same --rdzv-endpoint and --rdzv-id") from exc
             self.protocol.begin(self.min_nodes, self.max_nodes)
         if node not in self.protocol.pointer(self.timeout).nodes:
             # Its workers start at once, get ready (profile, templates) and are admitted at a

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from etcd_server import etcd_server
 from runtime_harness import free_port
-from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousParameters, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from oobleck_elastic.elastic.rendezvous import OobleckRendezvousHandler
@@ -67,4 +67,15 @@ def test_a_failed_run_on_etcd_refuses_new_nodes():
         with pytest.raises(RendezvousError, match=r"run 'restarting' at .* failed \(node 0 rank 0: step 3"):
             handler.next_rendezvous()
         assert handler.protocol.registered() == 1, "not registered again"
+        handler.shutdown()
+
+
+def test_too_few_nodes_within_the_join_timeout_is_a_rendezvous_timeout_naming_the_count():
+    params = RendezvousParameters(backend="oobleck", endpoint=f"127.0.0.1:{free_port()}", run_id="alone",
+                                  min_nodes=2, max_nodes=2, join_timeout="0.5")
+    handler = get_rendezvous_handler(params)
+    try:
+        with pytest.raises(RendezvousTimeoutError, match="only 1 of 2 nodes joined within 0.5 s; start the other nodes"):
+            handler.next_rendezvous()
+    finally:
         handler.shutdown()
