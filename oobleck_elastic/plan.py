@@ -169,12 +169,25 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def step_parts(job) -> dict[str, float]:
+    """The estimated step of the first generation, whole and in its parts: the slowest
+    pipeline's, on the stage that bounds it (PipelineTemplate.step_parts)."""
+    inst = job.instantiation
+    slowest = max(inst.pipelines, key=lambda p: p.iteration_ms)
+    template = job.templates.get(slowest.template)
+    assert template is not None, f"the instantiation uses the {slowest.template}-node template"
+    return {"total": inst.iteration_ms, **template.step_parts(slowest.microbatches, len(inst.pipelines))}
+
+
 def _print_tables(out: dict) -> None:
     job = out["_job"]
     print("Pipeline templates")
     print(templates_table(job.templates))
     print("\nInstantiation")
     print(instantiation_table(job.instantiation))
+    parts = step_parts(job)
+    print(f"  a step: {parts['schedule']:.1f} ms of pipeline schedule + {parts['all_reduce']:.1f} ms of gradient "
+          f"all-reduce + {parts['optimizer']:.1f} ms of optimizer step (the slowest pipeline's bounding stage)")
     if "reconfiguration" in out:
         print("\nReconfiguration")
         print(reconfiguration_text(out["reconfiguration"]))
@@ -201,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a flat list of templates; what the set knows besides them sits beside it
         coverage = data.pop("templates")
         data = {"templates": coverage.pop("templates"), "coverage": coverage, **data}
+        data["step_ms"] = step_parts(out["_job"])
         if "reconfiguration" in data:
             data["transfers"] = data["reconfiguration"]["transfers"]
         json.dump(data, sys.stdout, indent=1)

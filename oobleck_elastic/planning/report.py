@@ -67,7 +67,7 @@ def instantiation_table(inst: Instantiation, limit: int = 40) -> str:
         rows = rows[:limit - 1] + [("...", f"{len(rows) - limit + 1} more", "", "", "", "")]
     text = table(["pipeline", "nodes", "template", "microbatches", "samples", "est. ms"], rows)
     return (text + f"\n{len(inst.pipelines)} pipelines on {len(inst.nodes)} nodes, global batch "
-            f"{inst.global_batch_size}, estimated iteration {inst.iteration_ms:.1f} ms")
+            f"{inst.global_batch_size}, estimated step {inst.iteration_ms:.1f} ms")
 
 
 def reconfiguration_text(plan: ReconfigurationPlan, limit: int = 30) -> str:

@@ -134,6 +134,26 @@ class PipelineTemplate:
         return iteration_ms(compute, [s.forward_ms for s in self.stages],
                             [s.send_ms for s in self.stages[:-1]], microbatches, self.tails(pipelines))
 
+    def step_parts(self, microbatches: int, pipelines: int | None = None) -> dict[str, float]:
+        """The estimated step (`iteration_ms_at`) in its parts, on the stage (interleaved: the
+        worker position) that bounds it: the pipeline schedule up to that stage's last
+        backward, its gradient all-reduce across the pipelines, and its optimizer step. They
+        sum to the step."""
+        p = self.pipelines if pipelines is None else pipelines
+        total = self.iteration_ms_at(microbatches, p)
+        if self.virtual_stages > 1:  # the tail term is the largest of the positions' summed tails
+            bound = max(range(self.positions), key=lambda q: sum(s.tail_ms(p) for s in self.stages[q::self.positions]))
+            stages = self.stages[bound::self.positions]
+        else:  # the stage whose lead, microbatches and tail make the step
+            compute = [s.compute_ms for s in self.stages]
+            leads = stage_leads(compute, [s.forward_ms for s in self.stages], [s.send_ms for s in self.stages[:-1]])
+            cycles = stage_cycles(compute, [s.send_ms for s in self.stages[:-1]])
+            ends = [lead + microbatches * c + s.tail_ms(p) for lead, c, s in zip(leads, cycles, self.stages)]
+            stages = (self.stages[ends.index(max(ends))],)
+        all_reduce = sum(ring_factor(p) * s.grad_sync_ms for s in stages)
+        optimizer = sum(s.optimizer_ms for s in stages)
+        return {"schedule": total - all_reduce - optimizer, "all_reduce": all_reduce, "optimizer": optimizer}
+
     def times(self, total: int, pipelines: int | None = None) -> np.ndarray:
         """T(m) for m = min_microbatches .. total, vectorised (inf where the schedule cannot
         run m); `pipelines` as in iteration_ms_at."""
