@@ -130,6 +130,18 @@ def test_wait_until_returns_the_first_value_and_times_out_naming_what_it_awaited
     assert 3.5 < clock.now < 3.8
 
 
+def test_a_wait_polls_at_once_then_less_often_up_to_its_longest_pause(clock):
+    pauses: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        clock.sleep(seconds)
+    with pytest.raises(WaitTimeout):
+        wait_until("nothing", lambda: None, 0.2, 0.002, poll_max_s=0.01, clock=clock, sleep=sleep)
+    assert pauses[:5] == pytest.approx([0.002, 0.003, 0.0045, 0.00675, 0.01])
+    assert set(pauses[5:]) == {0.01}, "no pause beyond the longest"
+
+
 def test_the_last_worker_ready_commits_with_the_ready_joiners_and_clears_the_previous_step(store, clock):
     p = protocol(store, clock)
     store.add("nodes/next", 3)

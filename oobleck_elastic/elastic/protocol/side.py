@@ -28,7 +28,8 @@ class Side:
         self.liveness = Liveness(store, lease_timeout, self.clocks)
 
     def wait(self, what: str, check: Callable[[], T | None], timeout: float) -> T:
-        return wait_until(what, check, timeout, self.store.poll_s, clock=self.clocks.clock, sleep=self.clocks.sleep)
+        return wait_until(what, check, timeout, self.store.poll_s, poll_max_s=self.store.poll_max_s,
+                          clock=self.clocks.clock, sleep=self.clocks.sleep)
 
     # --- generations --------------------------------------------------------------------------
 

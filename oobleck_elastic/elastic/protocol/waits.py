@@ -31,14 +31,20 @@ class Clocks:
 
 
 def wait_until(what: str, check: Callable[[], T | None], timeout: float, poll_s: float, *,
-               clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> T:
-    """The first value of `check()` that is not None (or False), polled every `poll_s` seconds
-    until `timeout`; then WaitTimeout naming `what` (say what should have happened)."""
+               poll_max_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep) -> T:
+    """The first value of `check()` that is not None (or False), polled until `timeout`; then
+    WaitTimeout naming `what` (say what should have happened). The pause between two polls
+    starts at `poll_s` and grows by half each time up to `poll_max_s` (default: `poll_s`): what
+    comes at once is seen at once, and a long wait (a slow peer, a joiner waiting to be
+    admitted) does not spin on a CPU the workers still computing need."""
     deadline = clock() + timeout
+    pause, longest = poll_s, max(poll_s, poll_max_s or poll_s)
     while True:
         value = check()
         if value is not None and value is not False:
             return value
         if clock() > deadline:
             raise WaitTimeout(f"timed out after {timeout:.0f} s waiting for {what}")
-        sleep(poll_s)
+        sleep(pause)
+        pause = min(longest, pause * 1.5)

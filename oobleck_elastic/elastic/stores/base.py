@@ -54,6 +54,9 @@ class MembershipStore(abc.ABC):
     poll_s: float = 0.002
     """Pause between two reads of a key someone else will write: what a request costs the server
     (a local TCPStore answers in microseconds; etcd writes each request through Raft)."""
+    poll_max_s: float = 0.01
+    """The longest pause a wait grows to (protocol/waits.py wait_until): a decision that comes
+    later than a few polls is seen at most this late."""
 
     @property
     @abc.abstractmethod

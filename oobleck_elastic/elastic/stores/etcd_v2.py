@@ -121,7 +121,7 @@ class EtcdStore(MembershipStore):
     server that does not answer (restarted, a network blip, a leader election) is tried again
     for up to `outage_timeout` seconds before the request fails (Note: [etcd outages])."""
 
-    poll_s = 0.02  # thousands of workers polling every 2 ms would swamp it
+    poll_s = poll_max_s = 0.02  # thousands of workers polling every 2 ms would swamp it
 
     def __init__(self, host: str, port: int, run_id: str, *, timeout: float = 60.0,
                  request_timeout: float = 5.0, outage_timeout: float = 10.0,
