@@ -75,7 +75,7 @@ def test_too_few_nodes_within_the_join_timeout_is_a_rendezvous_timeout_naming_th
                                   min_nodes=2, max_nodes=2, join_timeout="0.5")
     handler = get_rendezvous_handler(params)
     try:
-        with pytest.raises(RendezvousTimeoutError, match="only 1 of 2 nodes joined within 0.5 s; start the other nodes"):
+        with pytest.raises(RendezvousTimeoutError, match="only 1 of 2 nodes joined within 0.5 s; start the other"):
             handler.next_rendezvous()
     finally:
         handler.shutdown()

@@ -49,4 +49,5 @@ def test_the_plan_cli_shows_the_step_whole_and_in_parts(capsys):
     assert main(base) == 0
     text = capsys.readouterr().out
     assert f"estimated step {step['total']:.1f} ms" in text
-    assert f"{step['schedule']:.1f} ms of pipeline schedule + {step['all_reduce']:.1f} ms of gradient all-reduce" in text
+    assert (f"{step['schedule']:.1f} ms of pipeline schedule + {step['all_reduce']:.1f} ms of gradient "
+            "all-reduce") in text
