@@ -13,19 +13,39 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from oobleck_elastic.launcher.local_job import LocalJob, LocalNodes
+from oobleck_elastic.elastic.protocol import LauncherSide
+from oobleck_elastic.launcher.zygote import ForkedProcess
 
-__all__ = ["DeadNodes", "Finish", "Progress", "Recoveries", "RunFailure", "StopOnSignal", "Tick", "Watcher"]
+__all__ = ["DeadNodes", "Finish", "Job", "Nodes", "Progress", "Recoveries", "RunFailure", "StopOnSignal", "Tick",
+           "Watcher"]
 
 FAILED_GRACE_S = 5.0  # after a worker's fatal error, how long the other nodes get to leave
 STUCK_AFTER_END_S = 30.0  # after the run's end, how long its agents get to exit
 
 
+class Nodes(Protocol):
+    """What a watcher does with the job's nodes (local_job.LocalNodes)."""
+
+    procs: list[ForkedProcess]
+
+    def start(self) -> int: ...
+    def signal(self, k: int, sig: signal.Signals) -> None: ...
+    def node_id(self, k: int) -> int | None: ...
+
+
+class Job(Protocol):
+    """What a watcher reads and acts on (local_job.LocalJob)."""
+
+    @property
+    def protocol(self) -> LauncherSide: ...
+    @property
+    def nodes(self) -> Nodes: ...
+
+
 class Watcher(Protocol):
-    def watch(self, job: LocalJob) -> bool: ...
+    def watch(self, job: Job) -> bool: ...
 
 
 class StopOnSignal:
@@ -43,7 +63,7 @@ class StopOnSignal:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
 
-    def watch(self, job: LocalJob) -> bool:
+    def watch(self, job: Job) -> bool:
         if self.signal is not None and not self.sent:
             job.protocol.request_stop(f"the launcher ({self.signal})")
             self.sent = True
@@ -63,7 +83,7 @@ class DeadNodes:
     def __init__(self) -> None:
         self.dead: set[int] = set()
 
-    def watch(self, job: LocalJob) -> bool:
+    def watch(self, job: Job) -> bool:
         if job.protocol.finished():
             return False
         for k, p in enumerate(job.nodes.procs):
@@ -76,7 +96,7 @@ class DeadNodes:
                 print(f"oobleck: node {node} died (agent exit code {p.returncode})", flush=True)
         return False
 
-    def everyone(self, job: LocalJob) -> bool:
+    def everyone(self, job: Job) -> bool:
         return len(self.dead) == len(job.nodes.procs)
 
 
@@ -87,7 +107,7 @@ class RunFailure:
     def __init__(self) -> None:
         self.failed_at: float | None = None
 
-    def watch(self, job: LocalJob) -> bool:
+    def watch(self, job: Job) -> bool:
         failure = job.protocol.failure()
         if failure is None:
             return False
@@ -100,10 +120,10 @@ class RunFailure:
 class Tick:
     """Calls `tick` with the nodes each turn while the run goes on (a chaos schedule)."""
 
-    def __init__(self, tick: Callable[[LocalNodes], None]) -> None:
+    def __init__(self, tick: Callable[[Any], None]) -> None:  # given the job's nodes
         self.tick = tick
 
-    def watch(self, job: LocalJob) -> bool:
+    def watch(self, job: Job) -> bool:
         if job.protocol.failure() is None and not job.protocol.finished():
             self.tick(job.nodes)
         return False
@@ -119,7 +139,7 @@ class Progress:
         self.last_step = -1
         self.resumed: dict | None = None
 
-    def watch(self, job: LocalJob) -> bool:
+    def watch(self, job: Job) -> bool:
         rec = job.protocol.progress()
         if not rec or rec["step"] == self.last_step:
             return False
@@ -148,7 +168,7 @@ class Recoveries:
     def __init__(self) -> None:
         self.generation = 0
 
-    def watch(self, job: LocalJob) -> bool:
+    def watch(self, job: Job) -> bool:
         pointer = job.protocol.try_pointer()
         latest = self.generation if pointer is None else pointer.generation
         for g in range(self.generation + 1, latest + 1):
@@ -167,7 +187,7 @@ class Finish:
         self.dead = dead
         self.finished_at: float | None = None
 
-    def watch(self, job: LocalJob) -> bool:
+    def watch(self, job: Job) -> bool:
         if self.dead.everyone(job):
             return True
         if not job.protocol.finished():
