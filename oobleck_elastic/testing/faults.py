@@ -48,8 +48,8 @@ AT_OR_AFTER = ("grow", "admit")  # phases whose step is the earliest one they fi
 
 
 class KillRecorder(Protocol):
-    """Where a kill is recorded: the run's protocol (duck-typed, so this module does not
-    import elastic, which sits above it)."""
+    """Where a kill is recorded: the run's Liveness (elastic/protocol/liveness.py; duck-typed,
+    so this module does not import elastic, which sits above it)."""
 
     def record_kill(self, node: int, record: dict) -> None: ...
 
