@@ -1,6 +1,7 @@
 """Recovery speed: oobleck_elastic against stock torchrun, the same job and the same SIGKILL.
 
-    python benchmarks/recovery.py [--nodes 5] [--kill-step 17] [--steps 30]
+    python benchmarks/recovery.py [--nodes 5] [--kill-step 17] [--steps 30] [--runs 5]
+    python benchmarks/recovery.py --failure hang [--runs 5]
 
 Runs the GPT example twice on local nodes, each node an agent and its worker: once with
 `python -m oobleck_elastic.launch` (node 1 SIGKILLed by OOBLECK_FAULT at --kill-step), once
@@ -39,8 +40,10 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,13 +88,23 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_ours(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
+FAULTS = {  # what OOBLECK_FAULT does to node KILLED, for each --failure
+    "kill": "phase=backward",  # SIGKILL of its agent and worker: the kernel resets their sockets
+    "hang": "phase=backward,action=hang,seconds=6",  # stopped 6 s, then woken: no socket closes
+}
+
+
+def _fault(failure: str, kill_step: int) -> str:
+    return f"node={KILLED},step={kill_step},{FAULTS[failure]}"
+
+
+def run_ours(tmp: str, nodes: int, steps: int, kill_step: int, failure: str = "kill") -> dict:
     sets = ["--set", f"train.steps={steps}", "--set", "train.global_batch_size=60",
             "--set", f"monitoring.metrics_path={tmp}/ours/metrics.jsonl",
             "--set", f"monitoring.tensorboard_dir={tmp}/ours/tb", "--set", "checkpoint.interval=0",
             "--set", f"checkpoint.dir={tmp}/ours/checkpoints"]
-    env = {**os.environ, "OOBLECK_FAULT": f"node={KILLED},step={kill_step},phase=backward",
-           "OOBLECK_FAULT_LOG": f"{tmp}/ours/kill.jsonl"}
+    env = {**os.environ, "OOBLECK_FAULT": _fault(failure, kill_step), "OOBLECK_FAULT_LOG": f"{tmp}/ours/kill.jsonl"}
+    shutil.rmtree(f"{tmp}/ours", ignore_errors=True)
     os.makedirs(f"{tmp}/ours", exist_ok=True)
     with open(f"{tmp}/ours/launch.log", "w+") as out:
         proc = subprocess.Popen([sys.executable, "-m", "oobleck_elastic.launch",
@@ -111,16 +124,17 @@ def run_ours(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
     return _measure(f"{tmp}/ours")
 
 
-def run_ours_under_torchrun(tmp: str, nodes: int, steps: int, kill_step: int) -> dict:
+def run_ours_under_torchrun(tmp: str, nodes: int, steps: int, kill_step: int, failure: str = "kill") -> dict:
     """The same job under stock torchrun with our rendezvous on etcd: no launcher of ours marks
     the dead node, so the survivors find it by gloo errors and its still lease."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
     from etcd_server import etcd_server
 
     work = f"{tmp}/ours_torchrun"
+    shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OOBLECK_FAULT_LOG": f"{work}/kill.jsonl",
-           "OOBLECK_FAULT": f"node={KILLED},step={kill_step},phase=backward"}
+           "OOBLECK_FAULT": _fault(failure, kill_step)}
     procs = []
     with etcd_server() as port:
         try:
@@ -180,6 +194,7 @@ def run_torchrun(tmp: str, nodes: int, steps: int, kill_step: int, patience: flo
     """Stock torchrun recovering from the same kill (its setup: the module docstring); it gets
     `patience` seconds from the kill to complete a step."""
     work = f"{tmp}/torchrun"
+    shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work, exist_ok=True)
     port = _free_port()
     procs = []
@@ -271,33 +286,64 @@ def raw_transfer_seconds(nbytes: int) -> float:
     return min(times)
 
 
+def _spread(values: list[float]) -> str:
+    """The median of `values`, with their range when there are several."""
+    if len(values) == 1:
+        return f"{values[0]:6.2f} s"
+    return f"{statistics.median(values):6.2f} s (median of {len(values)}, {min(values):.2f}-{max(values):.2f})"
+
+
+def _hang(args, tmp: str) -> None:
+    """Ours against a silent failure: node KILLED stopped (agent and worker) for 6 s, then
+    woken; stock torchrun is not run (its survivors would wait in gloo for the process
+    group's 30-minute timeout)."""
+    ours = [run_ours(tmp, args.nodes, args.steps, args.kill_step, "hang") for _ in range(args.runs)]
+    under = [run_ours_under_torchrun(tmp, args.nodes, args.steps, args.kill_step, "hang") for _ in range(args.runs)]
+    print(f"{args.nodes} local nodes, GPT example, node {KILLED} stopped (SIGSTOP of its agent and worker, "
+          f"woken 6 s later) at step {args.kill_step} (0-based), default timeouts (collective 10 s)")
+    for name, runs in (("oobleck_elastic", ours), ("oobleck_elastic under stock torchrun (etcd)", under)):
+        print(f"  {name}: hang -> next completed step {_spread([r['recover_s'] for r in runs])}, steps lost "
+              f"{max(r['lost_steps'] for r in runs)}; detect {_spread([r['phases'].get('detect', 0) for r in runs])}")
+    print("  stock torchrun: not run (a silent peer holds its workers in gloo for the 30-minute default timeout)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--kill-step", type=int, default=17)
+    p.add_argument("--failure", choices=sorted(FAULTS), default="kill",
+                   help="kill: SIGKILL (sockets reset); hang: the node stopped 6 s (nothing closes)")
+    p.add_argument("--runs", type=int, default=1, help="runs of each side; medians are printed")
     args = p.parse_args()
     # `timeout` and the like send SIGTERM: exit through the finally clauses that stop the nodes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as tmp:
-        ours = run_ours(tmp, args.nodes, args.steps, args.kill_step)
-        base = run_torchrun(tmp, args.nodes, args.steps, args.kill_step)
-        under = run_ours_under_torchrun(tmp, args.nodes, args.steps, args.kill_step)
+        if args.failure == "hang":
+            _hang(args, tmp)
+            return 0
+        mine = [run_ours(tmp, args.nodes, args.steps, args.kill_step) for _ in range(args.runs)]
+        bases = [run_torchrun(tmp, args.nodes, args.steps, args.kill_step) for _ in range(args.runs)]
+        unders = [run_ours_under_torchrun(tmp, args.nodes, args.steps, args.kill_step) for _ in range(args.runs)]
+    ours, base, under = mine[-1], bases[-1], unders[-1]  # the phases shown are the last run's
+    ours_s = [r["recover_s"] for r in mine]
     rec = ours["recovery"]
     print(f"{args.nodes} local nodes, GPT example, node {KILLED} SIGKILLed (agent and worker) at step "
           f"{args.kill_step} (0-based)")
-    print(f"  oobleck_elastic: kill -> next completed step {ours['recover_s']:6.2f} s, steps lost "
+    print(f"  oobleck_elastic: kill -> next completed step {_spread(ours_s)}, steps lost "
           f"{ours['lost_steps']} (the interrupted step is replayed)")
-    if base["recover_s"] is None:
-        print(f"  stock torchrun:  did not recover: {base['failure']}")
+    if any(b["recover_s"] is None for b in bases):
+        print(f"  stock torchrun:  did not recover: {next(b['failure'] for b in bases if b['recover_s'] is None)}")
     else:
-        print(f"  stock torchrun:  kill -> next completed step {base['recover_s']:6.2f} s, steps lost "
+        base_s = [b["recover_s"] for b in bases]
+        print(f"  stock torchrun:  kill -> next completed step {_spread(base_s)}, steps lost "
               f"{base['lost_steps']} (every worker restarted from the checkpoint of step "
               f"{base['resumed_at']})")
-        print(f"  ratio torchrun/oobleck: {base['recover_s'] / ours['recover_s']:.1f}x (goal >= 10x, ours < 1 s)")
+        print(f"  ratio torchrun/oobleck: {statistics.median(base_s) / statistics.median(ours_s):.1f}x "
+              "(goal >= 10x, ours < 1 s)")
     print(f"  torchrun setup: {base['setup']}")
     print(f"  oobleck_elastic under stock torchrun (--rdzv-backend=oobleck, etcd): kill -> next completed "
-          f"step {under['recover_s']:6.2f} s, steps lost {under['lost_steps']}; phases: "
+          f"step {_spread([u['recover_s'] for u in unders])}, steps lost {under['lost_steps']}; phases: "
           + ", ".join(f"{k} {v:.3f} s" for k, v in under["phases"].items())
           + " (no launcher marks the node dead: the roll call waits out elastic.rollcall_window_s)")
     print("  our recovery phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in ours["phases"].items())

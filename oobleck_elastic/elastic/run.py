@@ -46,12 +46,13 @@ from oobleck_elastic.elastic.ending import Ending
 from oobleck_elastic.elastic.job import WorkerIdentity
 from oobleck_elastic.elastic.joining import Joining
 from oobleck_elastic.elastic.logs import Prefixed, worker_prefix
+from oobleck_elastic.elastic.peer_watch import PeerWatch
 from oobleck_elastic.elastic.proposing import Proposer
 from oobleck_elastic.elastic.protocol import CheckpointSide, Fenced, WorkerSide
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
 from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.step_errors import STEP_ERRORS, cause_of, device_error
-from oobleck_elastic.elastic.stores import MembershipStore
+from oobleck_elastic.elastic.stores import MembershipStore, connect_store
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.monitoring.report_seat import ReportSeat
 from oobleck_elastic.planning import Instantiation, TemplateSet, WorkerRef, layer_holders
@@ -86,7 +87,11 @@ class Run:
         self.protocol = WorkerSide(store, cfg.elastic.lease_timeout_s)
         self.controller = Controller(cfg.train.steps, cfg.eval.interval)
         self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
-                               fault=fault, eval_dataset=eval_dataset)
+                               fault=fault, eval_dataset=eval_dataset, store_address=(store.host, store.port))
+        ela = cfg.elastic  # the watch reads leases over a connection of its own (Note: [silent members])
+        self.watch = PeerWatch(connect_store(store.url, who.run_id, timeout=ela.lease_timeout_s,
+                                             outage_timeout=ela.rollcall_window_s),
+                               who.node, ela.rollcall_window_s, ela.heartbeat_interval_s / 2, ela.lease_timeout_s)
         self.checkpoints = RunCheckpoints(model, cfg, who.run_id, len(dataset),
                                           worker_prefix(who.run_id, None, who.node, who.local_rank),
                                           CheckpointSide(store), fault)
@@ -149,6 +154,7 @@ class Run:
             cause, error = cause_of(exc)
             self.change.step_failed()
         assert self.plan is not None, "work runs in a built generation"
+        cause = self._silence(cause)
         if isinstance(action, Finish) and self.ending.recorded_anyway(self.plan):
             self.log.warning("a peer failed after the run's end was recorded (%s); nothing is left to do", cause)
             return Finished()
@@ -225,6 +231,7 @@ class Run:
         # collective timeout, so a transfer or step slower than elastic.collective_timeout_s
         # gets through (Note: [roll call] in elastic/protocol/worker_side.py).
         self.trainer.set_timeout(self.cfg.elastic.collective_timeout_s * timeout_factor)
+        self.watch.arm(plan.generation, plan.instantiation.nodes, self.trainer.cut)
         started = time.perf_counter()
         cause: str | None  # why the build failed; None: it did not
         try:
@@ -232,7 +239,7 @@ class Run:
                 self.checkpoints.check_restorable(plan.start_step)
             self.trainer.build(plan, transfers, settle=False, restore_from=restore_from)
             self.protocol.built(plan.generation, len(plan.members), plan.instantiation.nodes,
-                                self.cfg.elastic.agreement_timeout_s)
+                                self.cfg.elastic.agreement_timeout_s, silent=self._was_cut)
         except OobleckError:  # this worker or the run must stop (Note: [failed build])
             raise
         except Exception as exc:  # whatever torch or the store raised: a failed build
@@ -245,11 +252,17 @@ class Run:
         self.change.add({"restore": time.perf_counter() - started} if record.restored_from is not None
                         else self.trainer.last_build_s)
         if cause:
+            cause = self._silence(cause)
             self.log.warning("%s; recovering", cause)
             return BuildFailed(cause, error)
         self.trainer.settle()
         self._report_generation(record)
         return Built(record)
+
+    def _silence(self, cause: str) -> str:
+        """The cause of a failure, led by the peer watch's finding when it cut the generation."""
+        silence = self.watch.found(self.plan.generation) if self.plan is not None else None
+        return cause if silence is None else f"{silence}: {cause}"
 
     def _report_generation(self, record: GenerationRecord) -> None:
         plan = self.plan
@@ -281,7 +294,7 @@ class Run:
             self.stop_requested = False
         decision = self.protocol.commit_step(plan.generation, computed.stats.step, len(plan.members),
                                              plan.instantiation.nodes, self.cfg.elastic.agreement_timeout_s,
-                                             self.max_nodes)
+                                             self.max_nodes, silent=self._was_cut)
         self.fault("committed", computed.stats.step)
         self.last_step = (computed.stats, plan)
         self.seat.step(computed.stats, plan)
@@ -327,6 +340,7 @@ class Run:
         started = time.perf_counter()
         old, step = self.plan, self.trainer.completed_steps
         assert old is not None and self.templates is not None, "nodes join a built generation"
+        self.watch.disarm()
         self.trainer.close()
         self.fault("grow", self.trainer.fault_step)
         # A member that died after the commit (in its optimizer step) is left out when its death
@@ -349,6 +363,7 @@ class Run:
         if self.change.begin(self.plan.generation, t0):
             self.seat.flush_recovery()  # a failure before the last recovery's replay finished
         old, step, ela = self.plan, self.trainer.completed_steps, self.cfg.elastic
+        self.watch.disarm()
         self.trainer.close()  # frees gloo sockets: peers blocked on us fail fast
         t1 = time.perf_counter()
         if self.protocol.decide_abort(old.generation, step).outcome is Outcome.COMMIT:
@@ -357,7 +372,8 @@ class Run:
         self.fault("agreement", self.trainer.fault_step)
         alive, dead = self.protocol.roll_call(old.generation, (self.me.node, self.me.local_rank),
                                               list(old.instantiation.nodes), self.who.local_world_size,
-                                              ela.agreement_timeout_s, ela.rollcall_window_s)
+                                              ela.agreement_timeout_s, ela.rollcall_window_s,
+                                              silence.nodes if (silence := self.watch.found(old.generation)) else ())
         failed = self.records[old.generation]
         complete = self.protocol.complete(old.generation, len(old.members))
         base_g = old.generation if complete else failed.base
@@ -373,7 +389,12 @@ class Run:
         self.change.add({"teardown": t1 - t0, "agree": time.perf_counter() - t1})
         return Proposed(record, replay)
 
+    def _was_cut(self) -> bool:
+        """Whether the peer watch cut the current generation (a member went silent)."""
+        return self.plan is not None and self.watch.found(self.plan.generation) is not None
+
     def close(self) -> None:
+        self.watch.close()
         self.checkpoints.close()
         self.trainer.shutdown()
         self.seat.close()

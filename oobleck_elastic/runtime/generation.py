@@ -14,7 +14,8 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from oobleck_elastic.planning import WorkerRef
 from oobleck_elastic.runtime.communicators import Communicator, communicators, creation_order, tie_communicator
+from oobleck_elastic.runtime.connections import SocketSet, open_sockets
 from oobleck_elastic.runtime.devices import abort_groups, backend_for, prepare_backend
 from oobleck_elastic.runtime.fault_hook import PhaseHook, no_phase
 from oobleck_elastic.runtime.layers import LayerStore, flatten, unflatten
@@ -129,7 +131,10 @@ class Generation:
     """
 
     def __init__(self, plan: GenerationPlan, me: WorkerRef, store: dist.Store, layers: LayerStore,
-                 *, loss_fn, schedule: str, timeout: timedelta, fault: PhaseHook = no_phase) -> None:
+                 *, loss_fn, schedule: str, timeout: timedelta, fault: PhaseHook = no_phase,
+                 spare: Iterable[tuple[str, int]] = ()) -> None:
+        """`spare`: the addresses (host, port) of the membership store, whose connections are
+        never cut (`cut`)."""
         self.plan = plan
         self.me = me
         self.rank = plan.rank_of(me)
@@ -154,6 +159,12 @@ class Generation:
         self._schedule_name = schedule
         self._fault = fault
         self._closed = True  # until the default group exists
+        self._lock = threading.Lock()  # cut() (another thread) against close()
+        self.sockets = SocketSet(frozenset())
+        """The connections of this generation's groups (Note: [cutting a generation's connections])."""
+        self.was_cut = False
+        """Whether `cut` ended this generation."""
+        before = open_sockets()
         _count_group_names_from_zero()
         prepare_backend(layers.device, timeout.total_seconds())
         # on CUDA, device_id makes NCCL create each group's communicator in new_group (eagerly),
@@ -165,6 +176,7 @@ class Generation:
         try:
             self._fault("bootstrap")
             self._make_groups(plan, timeout)
+            self.sockets = SocketSet.opened_since(before, spare)
         except BaseException:
             # a peer died while the groups were made: a half-built generation leaves nothing
             # behind, or the next one could not start (the chaos run found "the default process
@@ -374,11 +386,34 @@ class Generation:
     def held_layers(self) -> tuple[int, ...]:
         return self.role.layer_ids if self.role else ()
 
+    def cut(self) -> bool:
+        """Ends every operation pending on this generation's groups, from any thread: its
+        connections are shut down (gloo; Note: [cutting a generation's connections]) and, on
+        CUDA, its communicators aborted. The generation is over: close() it next. Whether it is
+        cut (False once closed)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if not self.was_cut:
+                self.was_cut = True
+                cut = self.sockets.cut()
+                logger.info("generation %d: cut %d of its %d connections", self.plan.generation, cut,
+                            len(self.sockets.sockets))
+                if self.layers.device.type == "cuda":
+                    abort_groups(self.layers.device)
+            return True
+
     def close(self) -> None:
-        """Drops every reference to this generation's groups and destroys them."""
-        if self._closed:
-            return
-        self._closed = True
+        """Drops every reference to this generation's groups and destroys them, never waiting on
+        a peer: the connections are cut first (`cut`), since destroying a group waits for its
+        pending operations, and a failed step leaves some behind (a pipeline receive posted to a
+        peer that went silent would hold the worker until that peer woke or the timeout).
+        Between steps nothing is pending, and the cut changes nothing."""
+        self.cut()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         # CUDA: the communicators are aborted before anything they may still write to is freed,
         # and never waited on (a dead peer's kernels would spin for ever); an abort that fails
         # ends this worker (devices.abort_groups)

@@ -64,8 +64,10 @@ class StepStats:
 class Trainer:
     def __init__(self, *, model: ModelSpec, dataset: Dataset, cfg: JobConfig, me: WorkerRef,
                  store: dist.Store, device: torch.device | str | None = None, fault: FaultHook = NO_FAULTS,
-                 eval_dataset: Dataset | None = None) -> None:
+                 eval_dataset: Dataset | None = None, store_address: tuple[str, int] | None = None) -> None:
+        """`store_address`: the membership store's (host, port), whose connections a cut spares."""
         check_supported(cfg)
+        self.store_address = store_address
         self.fault = fault
         self._fault_step: int | None = None  # see fault_step
         self.model = model
@@ -145,7 +147,8 @@ class Trainer:
         self.completed_steps = plan.start_step
         t0 = time.perf_counter()
         gen = Generation(plan, self.me, self.store, self.layers, loss_fn=self._loss_fn,
-                         schedule=self.cfg.train.schedule, timeout=self.timeout, fault=self._phase)
+                         schedule=self.cfg.train.schedule, timeout=self.timeout, fault=self._phase,
+                         spare=[self.store_address] if self.store_address else [])
         self.generation = gen
         self._phase("build")
         t1 = time.perf_counter()
@@ -310,6 +313,13 @@ class Trainer:
                 stats[n + i] = math.sqrt(sum(float(p.pow(2).sum()) for p in params))
         dist.all_reduce(stats, group=None)
         return stats[:n].tolist(), stats[n:].tolist()
+
+    def cut(self, generation: int) -> bool:
+        """Ends what is pending on generation `generation`'s groups, from any thread (a member
+        went silent: Note: [cutting a generation's connections] in runtime/connections.py);
+        whether it was there to cut (not while it is being built, nor once closed)."""
+        gen = self.generation
+        return gen is not None and gen.plan.generation == generation and gen.cut()
 
     def leave(self) -> None:
         """This worker is not in the next generation: close the current one and forget the

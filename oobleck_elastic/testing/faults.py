@@ -20,7 +20,9 @@ after step K, since when a joiner is ready is not known in advance. `action=slow
 sleep S seconds each time it reaches the phase of that step (a slow transfer, say);
 `action=raise` makes it raise an error each time (a bug: the step fails with every node alive),
 `action=glitch` once (a transient error: the same nodes replay the step), `action=term` sends
-its agent SIGTERM once (a scheduler stopping the node: the run stops after the step). A worker of the
+its agent SIGTERM once (a scheduler stopping the node: the run stops after the step),
+`action=hang,seconds=S` stops the whole node (agent and workers) for S seconds once, then wakes
+it (a silent failure: no socket closes, the lease stands still). A worker of the
 named node that reaches the phase of that step kills its agent's process group (the node) and
 itself, like a machine dying: no cleanup, no goodbye. Just before, it records the kill's time
 in the membership store (`faults/<node>`, so recovery records can time detection from the real
@@ -32,15 +34,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Protocol
+
+import psutil
 
 from oobleck_elastic.errors import ConfigError
 
 __all__ = ["Fault", "parse_faults", "FaultInjector", "KillRecorder", "PHASES"]
 
-ACTIONS = ("kill", "stop", "slow", "raise", "glitch", "term")
+ACTIONS = ("kill", "stop", "slow", "raise", "glitch", "term", "hang")
+TIMED = ("slow", "hang")  # the actions that take seconds=S
 PHASES = ("forward", "backward", "grad_sync", "commit", "committed", "optimizer", "bootstrap", "build", "transfer",
           "transfer_send", "transfer_receive", "agreement", "restore", "checkpoint", "eval", "grow", "admit",
           "finish", "join")
@@ -70,9 +77,10 @@ def parse_faults(text: str) -> list[Fault]:
         action = fields.get("action", "kill")
         known = {"node", "step", "phase"} <= set(fields) <= {"node", "step", "phase", "action", "seconds"}
         if not known or fields["phase"] not in PHASES or action not in ACTIONS \
-                or ("seconds" in fields) != (action == "slow"):
+                or ("seconds" in fields) != (action in TIMED):
             raise ConfigError(f"OOBLECK_FAULT entry {part!r} must be node=N,step=K,phase=P[,action=A] with P one "
-                              f"of {', '.join(PHASES)} and A one of {', '.join(ACTIONS)} (slow takes seconds=S)")
+                              f"of {', '.join(PHASES)} and A one of {', '.join(ACTIONS)} (slow and hang take "
+                              "seconds=S)")
         faults.append(Fault(int(fields["node"]), int(fields["step"]), fields["phase"], action,
                             float(fields.get("seconds", 0.0))))
     return faults
@@ -117,6 +125,9 @@ class FaultInjector:
             elif fault.action == "stop":
                 self.faults.remove(fault)  # once: after SIGCONT the step is replayed
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.action == "hang":
+                self.faults.remove(fault)  # once: woken, the node finds itself fenced
+                self.hang_node(fault.seconds)
             else:
                 self.kill_node()
 
@@ -128,6 +139,34 @@ class FaultInjector:
         except (ProcessLookupError, PermissionError):
             pass
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+    @staticmethod
+    def hang_node(seconds: float) -> None:
+        """Stops this node for `seconds`, then wakes it: a silent failure, no socket closes and
+        the lease stands still. The node is its agent, this worker's parent (the agent, or the
+        node's worker starter) and every descendant of either: each worker has a session of its
+        own. A process of its own session sends the SIGCONTs."""
+        me, node = os.getpid(), set()
+        for root in {_agent(), os.getppid()}:
+            try:
+                proc = psutil.Process(root)
+                node |= {proc.pid, *(p.pid for p in proc.children(recursive=True))}
+            except psutil.NoSuchProcess:
+                pass
+        others = sorted(node - {me})
+        waker = (f"import os, signal, time; time.sleep({seconds!r})\n"
+                 f"for pid in {[*others, me]!r}:\n"
+                 "    try: os.kill(pid, signal.SIGCONT)\n"
+                 "    except ProcessLookupError: pass")
+        subprocess.Popen([sys.executable, "-c", waker], start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        os.kill(me, signal.SIGSTOP)
 
 
 def _agent() -> int:

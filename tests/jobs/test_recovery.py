@@ -125,6 +125,30 @@ def test_sigstopped_node_is_detected_by_its_lease(tmp_path, failure_free):
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
+def test_a_hung_node_is_cut_out_by_its_silence_and_fences_itself_when_woken(tmp_path, failure_free):
+    """A whole node stopped for a second (agent and worker: no socket closes, the lease stands
+    still) under the default timeouts: the survivors' peer watches cut the generation once its
+    lease has stood still for the roll-call window, instead of waiting in gloo for the 10 s
+    collective timeout; woken, the node sees the next generation was chosen without it and
+    fences itself at once. The run is exact and leaves no process behind."""
+    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=1,phase=forward,action=hang,seconds=1"}
+    proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
+                           "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", "--rdzv-id=hangtest",
+                           SCRIPT, *job_args(tmp_path, "job")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = records(tmp_path / "job/metrics.jsonl")
+    assert [r["lost"] for r in log if r.get("event") == "recovery"] == [[1]]
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+    nodes = "".join(p.read_text() for p in (tmp_path / "logs").glob("node*.log"))
+    assert "node(s) [1] went silent" in nodes and "connections were cut" in nodes, nodes[-3000:]
+    assert "node 1 fenced: it is not among the nodes that answered the roll call" in nodes, nodes[-3000:]
+    deadline = time.monotonic() + 30
+    while run_processes("hangtest") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run_processes("hangtest") == []
+
+
 def test_node_joins_mid_run_after_a_failure(tmp_path, failure_free_40):
     steps = ["--set", "train.steps=40"]
     env = {**os.environ, "OOBLECK_FAULT": "node=1,step=2,phase=backward"}

@@ -61,6 +61,13 @@ class Liveness:
                 out.add(node)  # Note: [lease age]
         return out
 
+    def forget(self, keep: Iterable[int] = ()) -> None:
+        """Forgets when each lease but those of `keep` was last seen to move: a reader that
+        could not see the store for a while (an outage, a stall) judges each lease afresh, from
+        its next read."""
+        kept = set(keep)
+        self._seen = {node: seen for node, seen in self._seen.items() if node in kept}
+
     def last_seen(self, node: int) -> tuple[object, float] | None:
         """(the lease beat last read, for how many seconds it has stood still here), if read."""
         seen = self._seen.get(node)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from oobleck_elastic.elastic.protocol.keys import generation_of, key
 from oobleck_elastic.elastic.protocol.side import Side
@@ -116,15 +116,17 @@ class WorkerSide(Side):
         return self.wait("generation 0 (the first node's first worker writes it; elastic.join_timeout_s)",
                          check, timeout)
 
-    def built(self, generation: int, workers: int, nodes: Iterable[int], timeout: float) -> None:
+    def built(self, generation: int, workers: int, nodes: Iterable[int], timeout: float,
+              silent: Callable[[], bool] = lambda: False) -> None:
         """Counts this worker built into `generation` and waits for all `workers` to be; a member
-        dying meanwhile aborts the build (StepAborted)."""
+        dying meanwhile aborts the build (StepAborted), as does `silent()` turning true (the
+        worker's peer watch found a member silent: Note: [silent members] in elastic/peer_watch.py)."""
         built = key("built", generation=generation)
         self.store.add(built, 1)
         nodes = list(nodes)
 
         def check() -> bool:
-            if self.liveness.dead(nodes):
+            if silent() or self.liveness.dead(nodes):
                 raise StepAborted(f"a member of generation {generation} died while it was built")
             if self._recovering(generation):  # a member's build failed
                 raise StepAborted(f"a member of generation {generation} failed to build it and is recovering")
@@ -147,9 +149,10 @@ class WorkerSide(Side):
     # --- steps ----------------------------------------------------------------------------
 
     def commit_step(self, generation: int, step: int, world_size: int, members: Iterable[int], timeout: float,
-                    max_nodes: int | None = None) -> StepDecision:
+                    max_nodes: int | None = None, silent: Callable[[], bool] = lambda: False) -> StepDecision:
         """Reports this worker ready for `step` and waits for the decision (Note: [step
-        transaction]); raises StepAborted if the step was aborted."""
+        transaction]); raises StepAborted if the step was aborted. A member that dies meanwhile
+        aborts it: its lease stands still, or `silent()` turns true (as in `built`)."""
         decision_key = key("decision", generation=generation, step=step)
         members = list(members)
         if self.store.add(key("ready", generation=generation, step=step), 1) == world_size:
@@ -169,7 +172,7 @@ class WorkerSide(Side):
             if (decision := self.store.try_get_json(decision_key)) is not None:
                 return StepDecision.from_json(decision)
             now = self.clocks.clock()
-            if now > deadline or (now > next_check and (
+            if now > deadline or silent() or (now > next_check and (
                     self._recovering(generation) or self.liveness.dead(members))):
                 return self.decide_abort(generation, step)
             if now > next_check:
@@ -226,12 +229,15 @@ class WorkerSide(Side):
         return bool(self.store.try_get_json(key("rollcall started", generation=generation)))
 
     def roll_call(self, generation: int, me: tuple[int, int], members: list[int], workers_per_node: int,
-                  timeout: float, suspect_after: float) -> tuple[list[int], list[int]]:
+                  timeout: float, suspect_after: float, silent: Iterable[int] = ()) -> tuple[list[int], list[int]]:
         """Checks in and waits for the roll call (Note: [roll call]); returns (alive, dead) nodes.
         A failure is known here, so a member that has not checked in is dead as soon as its
         lease has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease
-        timeout. The dead are marked so (a node that joined once and died is never admitted),
-        and a node marked dead is dead here even if it answers (its workers fence themselves)."""
+        timeout; at once if it is among `silent` (this worker's peer watch saw its lease stand
+        still that long already: Note: [silent members] in elastic/peer_watch.py). The dead
+        are marked so (a node that joined once and died is never admitted), and a node marked
+        dead is dead here even if it answers (its workers fence themselves)."""
+        silent = set(silent)
         self.store.set_json(key("rollcall started", generation=generation), True)
         self.store.set_json(key("rollcall", generation=generation, node=me[0], rank=me[1]), True)
         deadline = self.clocks.clock() + timeout
@@ -243,9 +249,14 @@ class WorkerSide(Side):
             # took it for dead (late on a loaded machine) and every build with it would abort
             # (the chaos run found survivors replaying such a generation until they gave up)
             present -= {n for n in present if self.liveness.marked_dead(n)}
-            dead = self.liveness.dead(set(members) - present, timeout=suspect_after)
+            missing = set(members) - present
+            dead = (missing & silent) | self.liveness.dead(missing - silent, timeout=suspect_after)
+            if (me[0] not in present or me[0] in dead) and self._moved_on_without(generation, me[0]):
+                # woken after the others chose the next generation without this node: it is
+                # fenced now, not at the roll call's deadline (its check-in is long gone)
+                return sorted(present - {me[0]}), sorted(missing | {me[0]})
             if present | dead == set(members) or self.clocks.clock() > deadline:
-                absent = sorted(set(members) - present)
+                absent = sorted(missing)
                 # A worker whose own node is not among those present (marked dead while it hung,
                 # its check-in cleared since) is stale: it is fenced, and marks nobody. Woken
                 # past its deadline, it would otherwise mark every live node dead, whose keys
@@ -260,6 +271,11 @@ class WorkerSide(Side):
                         self.liveness.mark_dead(node, f"missed the roll call of generation {generation}")
                 return sorted(present), absent
             self.clocks.sleep(max(0.005, self.store.poll_s))
+
+    def _moved_on_without(self, generation: int, node: int) -> bool:
+        """Whether generation `generation` + 1 was decided, and without `node`."""
+        record = self.try_record(generation + 1)
+        return record is not None and node not in record.nodes
 
     # --- what the reporting worker mirrors for the launcher (monitoring.run_report.Mirror) ---
 
