@@ -39,9 +39,10 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from oobleck_elastic.config import ElasticConfig
 from oobleck_elastic.elastic.protocol.liveness import Liveness
 from oobleck_elastic.elastic.protocol.waits import Clocks
-from oobleck_elastic.elastic.stores import MembershipStore
+from oobleck_elastic.elastic.stores import MembershipStore, connect_store
 from oobleck_elastic.errors import OobleckError
 
 __all__ = ["PeerWatch", "Silence"]
@@ -97,6 +98,13 @@ class PeerWatch:
         self._thread = threading.Thread(target=self._loop, name="oobleck-peer-watch", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def for_run(cls, store: MembershipStore, run_id: str, node: int, ela: ElasticConfig) -> PeerWatch:
+        """The watch of a worker of `node`, on a connection of its own to `store`, with the
+        run's timeouts (elastic.rollcall_window_s, a poll of half a heartbeat, the lease timeout)."""
+        own = connect_store(store.url, run_id, timeout=ela.lease_timeout_s, outage_timeout=ela.rollcall_window_s)
+        return cls(own, node, ela.rollcall_window_s, ela.heartbeat_interval_s / 2, ela.lease_timeout_s)
+
     def arm(self, generation: int, nodes: Iterable[int], cut: Callable[[int], bool]) -> None:
         """Watches `nodes` (a generation's members; this node is left out) until disarmed;
         `cut(generation)` ends the generation's pending operations, and says whether the
@@ -114,6 +122,10 @@ class PeerWatch:
         """Why `generation` was cut, if the watch cut it."""
         with self._cond:
             return self._found.get(generation)
+
+    def cut(self, generation: int) -> bool:
+        """Whether the watch cut `generation`."""
+        return self.found(generation) is not None
 
     def close(self) -> None:
         with self._cond:

@@ -52,7 +52,7 @@ from oobleck_elastic.elastic.protocol import CheckpointSide, Fenced, WorkerSide
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome
 from oobleck_elastic.elastic.run_checkpoints import RunCheckpoints
 from oobleck_elastic.elastic.step_errors import STEP_ERRORS, cause_of, device_error
-from oobleck_elastic.elastic.stores import MembershipStore, connect_store
+from oobleck_elastic.elastic.stores import MembershipStore
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.monitoring.report_seat import ReportSeat
 from oobleck_elastic.planning import Instantiation, TemplateSet, WorkerRef, layer_holders
@@ -88,10 +88,7 @@ class Run:
         self.controller = Controller(cfg.train.steps, cfg.eval.interval)
         self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
                                fault=fault, eval_dataset=eval_dataset, store_address=(store.host, store.port))
-        ela = cfg.elastic  # the watch reads leases over a connection of its own (Note: [silent members])
-        self.watch = PeerWatch(connect_store(store.url, who.run_id, timeout=ela.lease_timeout_s,
-                                             outage_timeout=ela.rollcall_window_s),
-                               who.node, ela.rollcall_window_s, ela.heartbeat_interval_s / 2, ela.lease_timeout_s)
+        self.watch = PeerWatch.for_run(store, who.run_id, who.node, cfg.elastic)  # Note: [silent members]
         self.checkpoints = RunCheckpoints(model, cfg, who.run_id, len(dataset),
                                           worker_prefix(who.run_id, None, who.node, who.local_rank),
                                           CheckpointSide(store), fault)
@@ -239,7 +236,7 @@ class Run:
                 self.checkpoints.check_restorable(plan.start_step)
             self.trainer.build(plan, transfers, settle=False, restore_from=restore_from)
             self.protocol.built(plan.generation, len(plan.members), plan.instantiation.nodes,
-                                self.cfg.elastic.agreement_timeout_s, silent=self._was_cut)
+                                self.cfg.elastic.agreement_timeout_s, silent=lambda: self.watch.cut(plan.generation))
         except OobleckError:  # this worker or the run must stop (Note: [failed build])
             raise
         except Exception as exc:  # whatever torch or the store raised: a failed build
@@ -294,7 +291,7 @@ class Run:
             self.stop_requested = False
         decision = self.protocol.commit_step(plan.generation, computed.stats.step, len(plan.members),
                                              plan.instantiation.nodes, self.cfg.elastic.agreement_timeout_s,
-                                             self.max_nodes, silent=self._was_cut)
+                                             self.max_nodes, silent=lambda: self.watch.cut(plan.generation))
         self.fault("committed", computed.stats.step)
         self.last_step = (computed.stats, plan)
         self.seat.step(computed.stats, plan)
@@ -366,6 +363,8 @@ class Run:
         self.watch.disarm()
         self.trainer.close()  # frees gloo sockets: peers blocked on us fail fast
         t1 = time.perf_counter()
+        if self.protocol.moved_on_without(old.generation, self.me.node):  # woken from a hang, say
+            raise Fenced(f"node {self.me.node} fenced: generation {old.generation + 1} was chosen without it")
         if self.protocol.decide_abort(old.generation, step).outcome is Outcome.COMMIT:
             raise AssertionError("a committed step cannot fail before apply(): apply is local")
         self.trainer.discard()
@@ -388,10 +387,6 @@ class Run:
         replay = is_replay(base, alive, dead)
         self.change.add({"teardown": t1 - t0, "agree": time.perf_counter() - t1})
         return Proposed(record, replay)
-
-    def _was_cut(self) -> bool:
-        """Whether the peer watch cut the current generation (a member went silent)."""
-        return self.plan is not None and self.watch.found(self.plan.generation) is not None
 
     def close(self) -> None:
         self.watch.close()

@@ -251,7 +251,7 @@ class WorkerSide(Side):
             present -= {n for n in present if self.liveness.marked_dead(n)}
             missing = set(members) - present
             dead = (missing & silent) | self.liveness.dead(missing - silent, timeout=suspect_after)
-            if (me[0] not in present or me[0] in dead) and self._moved_on_without(generation, me[0]):
+            if (me[0] not in present or me[0] in dead) and self.moved_on_without(generation, me[0]):
                 # woken after the others chose the next generation without this node: it is
                 # fenced now, not at the roll call's deadline (its check-in is long gone)
                 return sorted(present - {me[0]}), sorted(missing | {me[0]})
@@ -272,8 +272,10 @@ class WorkerSide(Side):
                 return sorted(present), absent
             self.clocks.sleep(max(0.005, self.store.poll_s))
 
-    def _moved_on_without(self, generation: int, node: int) -> bool:
-        """Whether generation `generation` + 1 was decided, and without `node`."""
+    def moved_on_without(self, generation: int, node: int) -> bool:
+        """Whether generation `generation` + 1 was decided, and without `node`: a worker of that
+        node that finds this (woken from a hang, back from a partition) is fenced before it
+        writes anything for the old generation, whose keys the others may have swept."""
         record = self.try_record(generation + 1)
         return record is not None and node not in record.nodes
 
