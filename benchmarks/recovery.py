@@ -155,7 +155,7 @@ def run_ours_under_torchrun(tmp: str, nodes: int, steps: int, kill_step: int, fa
         finally:
             for proc in procs:
                 _kill_tree(proc)
-    if sorted(p.returncode for p in procs)[1:] != [0] * (nodes - 1):
+    if sum(p.returncode == 0 for p in procs) < nodes - 1:  # the failed node's own code is its failure's
         raise SystemExit(f"oobleck under torchrun failed: exit codes {[p.returncode for p in procs]}; logs in {work}")
     return _measure(work)
 
