@@ -125,21 +125,21 @@ def test_sigstopped_node_is_detected_by_its_lease(tmp_path, failure_free):
     assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
 
 
-def test_a_hung_node_is_cut_out_by_its_silence_and_fences_itself_when_woken(tmp_path, failure_free):
-    """A whole node stopped for a second (agent and worker: no socket closes, the lease stands
-    still) under the default timeouts: the survivors' peer watches cut the generation once its
-    lease has stood still for the roll-call window, instead of waiting in gloo for the 10 s
-    collective timeout; woken, the node sees the next generation was chosen without it and
-    fences itself at once. The run is exact and leaves no process behind."""
-    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=1,phase=forward,action=hang,seconds=1"}
+def test_a_hung_node_is_cut_out_by_its_silence_and_fences_itself_when_woken(tmp_path, failure_free_40):
+    """A whole node stopped for 3 s (agent and worker: no socket closes, the lease stands still)
+    under the default timeouts: the survivors' peer watches cut the generation once its lease
+    has stood still for the roll-call window (0.6 s), instead of waiting in gloo for the 10 s
+    collective timeout; woken while the others still train (40 steps), the node sees the next
+    generation was chosen without it and fences itself at once. Exact, nothing left running."""
+    env = {**os.environ, "OOBLECK_FAULT": "node=1,step=2,phase=forward,action=hang,seconds=3"}
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes=5",
                            "--nproc-per-node=1", f"--oobleck-log-dir={tmp_path / 'logs'}", "--rdzv-id=hangtest",
-                           SCRIPT, *job_args(tmp_path, "job")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=400)
+                           SCRIPT, *job_args(tmp_path, "job"), "--set", "train.steps=40"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = records(tmp_path / "job/metrics.jsonl")
     assert [r["lost"] for r in log if r.get("event") == "recovery"] == [[1]]
-    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+    assert_matches([r for r in log if r.get("event") == "final"][0], failure_free_40)
     nodes = "".join(p.read_text() for p in (tmp_path / "logs").glob("node*.log"))
     assert "node(s) [1] went silent" in nodes and "connections were cut" in nodes, nodes[-3000:]
     # woken after the others chose generation 1 without it (or, on a slow machine, during their
