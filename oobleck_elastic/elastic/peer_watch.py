@@ -40,10 +40,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from oobleck_elastic.config import ElasticConfig
+from oobleck_elastic.elastic.protocol.keys import key
 from oobleck_elastic.elastic.protocol.liveness import Liveness
 from oobleck_elastic.elastic.protocol.waits import Clocks
 from oobleck_elastic.elastic.stores import MembershipStore, connect_store
 from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.runtime.reach import Responder, data_address
 
 __all__ = ["PeerWatch", "Silence"]
 
@@ -95,15 +97,21 @@ class PeerWatch:
         self._target: _Target | None = None
         self._stopped = False
         self._found: dict[int, Silence] = {}
+        self.responder: Responder | None = None
         self._thread = threading.Thread(target=self._loop, name="oobleck-peer-watch", daemon=True)
         self._thread.start()
 
     @classmethod
-    def for_run(cls, store: MembershipStore, run_id: str, node: int, ela: ElasticConfig) -> PeerWatch:
-        """The watch of a worker of `node`, on a connection of its own to `store`, with the
-        run's timeouts (elastic.rollcall_window_s, a poll of half a heartbeat, the lease timeout)."""
+    def for_run(cls, store: MembershipStore, run_id: str, node: int, rank: int, ela: ElasticConfig) -> PeerWatch:
+        """The watch of worker `rank` of `node`, on a connection of its own to `store`, with the
+        run's timeouts (elastic.rollcall_window_s, a poll of half a heartbeat, the lease timeout),
+        and the worker's responder to its peers' probes, published (Note: [gray failures] in
+        elastic/reachability.py)."""
         own = connect_store(store.url, run_id, timeout=ela.lease_timeout_s, outage_timeout=ela.rollcall_window_s)
-        return cls(own, node, ela.rollcall_window_s, ela.heartbeat_interval_s / 2, ela.lease_timeout_s)
+        watch = cls(own, node, ela.rollcall_window_s, ela.heartbeat_interval_s / 2, ela.lease_timeout_s)
+        watch.responder = Responder(data_address())
+        own.set_json(key("responder", node=node, rank=rank), list(watch.responder.endpoint))
+        return watch
 
     def arm(self, generation: int, nodes: Iterable[int], cut: Callable[[int], bool]) -> None:
         """Watches `nodes` (a generation's members; this node is left out) until disarmed;
@@ -132,6 +140,8 @@ class PeerWatch:
             self._stopped, self._target = True, None
             self._cond.notify()
         self._thread.join(JOIN_TIMEOUT_S)
+        if self.responder is not None:
+            self.responder.close()
 
     def _loop(self) -> None:
         while True:

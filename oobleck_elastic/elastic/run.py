@@ -61,6 +61,7 @@ from oobleck_elastic.runtime.checkpoint import CheckpointUnreadable
 from oobleck_elastic.runtime.fault_hook import NO_FAULTS, FaultHook
 from oobleck_elastic.runtime.model import ModelSpec
 from oobleck_elastic.runtime.plan import GenerationPlan
+from oobleck_elastic.runtime.reach import unreachable
 from oobleck_elastic.runtime.trainer import Dataset, Trainer
 
 __all__ = ["Run"]
@@ -88,7 +89,7 @@ class Run:
         self.controller = Controller(cfg.train.steps, cfg.eval.interval)
         self.trainer = Trainer(model=model, dataset=dataset, cfg=cfg, me=self.me, store=store.torch_store(),
                                fault=fault, eval_dataset=eval_dataset, store_address=(store.host, store.port))
-        self.watch = PeerWatch.for_run(store, who.run_id, who.node, cfg.elastic)  # Note: [silent members]
+        self.watch = PeerWatch.for_run(store, who.run_id, who.node, who.local_rank, cfg.elastic)  # [silent members]
         self.checkpoints = RunCheckpoints(model, cfg, who.run_id, len(dataset),
                                           worker_prefix(who.run_id, None, who.node, who.local_rank),
                                           CheckpointSide(store), fault)
@@ -372,14 +373,15 @@ class Run:
         alive, dead = self.protocol.roll_call(old.generation, (self.me.node, self.me.local_rank),
                                               list(old.instantiation.nodes), self.who.local_world_size,
                                               ela.agreement_timeout_s, ela.rollcall_window_s,
-                                              silence.nodes if (silence := self.watch.found(old.generation)) else ())
+                                              silence.nodes if (silence := self.watch.found(old.generation)) else (),
+                                              probe=unreachable)  # Note: [gray failures]
         failed = self.records[old.generation]
         complete = self.protocol.complete(old.generation, len(old.members))
         base_g = old.generation if complete else failed.base
         base = Base(base_g, _layout(self._record(base_g))) if base_g is not None else None
         if self.me.node not in alive:  # taken for dead while it hung, or behind the others
-            raise Fenced(f"node {self.me.node} fenced: it is not among the nodes that answered the roll call "
-                         f"of generation {old.generation}")
+            raise Fenced(f"node {self.me.node} fenced: the roll call of generation {old.generation} left it out "
+                         "(it did not answer in time, or was cut off from the others)")
         if len(alive) < self.templates.min_nodes:
             alive = alive + self.proposer.await_joiners(self.templates, old.generation, alive, self.max_nodes)
         record = self.proposer.propose(self.templates, old.generation + 1, base, alive, dead, step, cause,

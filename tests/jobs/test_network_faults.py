@@ -3,12 +3,14 @@ four hosts, each a network namespace running `python -m oobleck_elastic.launch` 
 would, etcd on a store host of its own, gloo on each host's data interface, the float64 GPT
 example under the default timeouts. One host fails the way machines do, from outside: it loses
 power (its links go down, then its processes die: no reset reaches anyone), or it is
-partitioned (its links down for a few seconds, its processes alive, then up again). The others
-go on without it, exactly, and a partitioned host that comes back finds itself fenced and
-leaves. Needs root; elsewhere these tests skip, saying so."""
+partitioned (its links down for a few seconds, its processes alive, then up again), or it loses
+its data link for good but keeps the store (a gray failure: it answers every roll call). The
+others go on without it, exactly; a partitioned host that comes back finds itself fenced and
+leaves, and the host cut off from its peers is left out on their evidence and leaves. Needs root; elsewhere these tests skip, saying so."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -63,7 +65,7 @@ def _logs(tmp_path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("host*.log")))
 
 
-@pytest.mark.parametrize("failure", ["poweroff", "partition"])
+@pytest.mark.parametrize("failure", ["poweroff", "partition", "data-partition"])
 def test_a_host_that_fails_silently_is_recovered_exactly(tmp_path, failure_free, failure):
     with Bed(HOSTS) as bed:
         etcd = _etcd(bed, tmp_path)
@@ -74,6 +76,8 @@ def test_a_host_that_fails_silently_is_recovered_exactly(tmp_path, failure_free,
             victim = bed.hosts[VICTIM]
             if failure == "poweroff":
                 bed.poweroff(victim)
+            elif failure == "data-partition":  # for good: Note: [gray failures]
+                bed.link(victim, up=False, networks=("data",))
             else:
                 bed.link(victim, up=False)
                 time.sleep(PARTITION_S)
@@ -91,3 +95,8 @@ def test_a_host_that_fails_silently_is_recovered_exactly(tmp_path, failure_free,
         assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
         if failure == "partition":  # back on the network, it learns it was left out and leaves
             assert codes[VICTIM] != 0 and "fenced" in (tmp_path / f"host{VICTIM}.log").read_text(), _logs(tmp_path)
+        if failure == "data-partition":  # the others' evidence left it out, and it says so
+            said = re.search(r"\[node (\d+)\] cut off from the other nodes on the data network",
+                             (tmp_path / f"host{VICTIM}.log").read_text())
+            assert codes[VICTIM] != 0 and said, _logs(tmp_path)
+            assert recoveries[0]["lost"] == [int(said.group(1))], recoveries  # node ids: in order of arrival

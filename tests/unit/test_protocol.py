@@ -285,6 +285,39 @@ def test_a_node_marked_dead_by_another_roll_call_is_dead_even_if_it_answers(stor
     assert clock.now < 0.1
 
 
+def test_a_roll_call_that_finds_everyone_present_leaves_out_the_node_cut_off_on_the_data_network(store, clock):
+    """Note: [gray failures]: every member answered and every lease beats, so the probe's
+    reports decide; the isolated node is marked dead with the evidence, and the node itself
+    reads the same decision. Without a failed probe, or with a dead member, nobody is probed
+    out."""
+    for node in (1, 2, 3):
+        store.set_json(f"reach/{node}/0", ["198.18.0.1", 9000 + node])
+        store.set_json(f"rollcall/6/{node}/0", True)
+    clock.at(0.3, lambda: [store.set_json(f"rollcall/6/reach/{n}/0", [2]) for n in (1, 3)])
+    clock.at(0.5, lambda: store.set_json("rollcall/6/reach/2/0", [0, 1, 3]))
+    asked = []
+
+    def probe(endpoints):
+        asked.append(endpoints)
+        return {2}
+
+    assert protocol(store, clock).roll_call(6, (0, 0), [0, 1, 2, 3], 1, timeout=60.0, suspect_after=0.5,
+                                            probe=probe) == ([0, 1, 3], [2])
+    assert asked == [{n: [("198.18.0.1", 9000 + n)] for n in (1, 2, 3)}] and 0.5 <= clock.now < 0.6
+    assert store.try_get_json("rollcall/6/reach/0/0") == [2]
+    assert "nodes [0, 1, 3] could not reach it" in store.try_get_json("nodes/2/dead")["why"]
+    # node 2 itself decides the same from the same reports: it is out, and marks nobody
+    store.set_json("rollcall/6/0/0", True)
+    assert protocol(store, clock).roll_call(6, (2, 0), [0, 1, 2, 3], 1, timeout=60.0, suspect_after=0.5,
+                                            probe=lambda endpoints: {0, 1, 3})[1] == [2]
+    # everyone reached: the same nodes go on
+    for node in (1, 3):
+        store.set_json(f"rollcall/7/{node}/0", True)
+        store.set_json(f"rollcall/7/reach/{node}/0", [])
+    assert protocol(store, clock).roll_call(7, (0, 0), [0, 1, 3], 1, timeout=60.0, suspect_after=0.5,
+                                            probe=lambda endpoints: set()) == ([0, 1, 3], [])
+
+
 def test_a_build_waits_for_every_member_and_fails_when_one_dies_or_time_runs_out(store, clock):
     p = protocol(store, clock)
     clock.at(1.0, lambda: store.add("gen1/built", 1))

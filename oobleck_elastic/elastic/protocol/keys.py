@@ -71,6 +71,8 @@ KEYS = (
     KeySpec("torch", "gen{generation}/", G, "torch's process-group bootstrap (runtime/generation.py's PrefixStore)"),
     KeySpec("rollcall started", "rollcall/{generation}/started", G, "a member began a recovery from g"),
     KeySpec("rollcall", "rollcall/{generation}/{node}/{rank}", G, "a worker checked in after a failure"),
+    KeySpec("reach report", "rollcall/{generation}/reach/{node}/{rank}", G,
+            "the members a worker could not reach on the data network (Note: [gray failures])"),
     KeySpec("evaluated", "evaluated/{step}", W, "the evaluation after a step is done"),
     # checkpoints
     KeySpec("checkpoint written", "gen{generation}/checkpoint{step}", C, "layers of a checkpoint written"),
@@ -84,6 +86,7 @@ KEYS = (
     KeySpec("node workers", "nodes/{node}/workers", W, "a joining node's number of workers"),
     KeySpec("node ready", "nodes/{node}/ready", W, "how many of a joining node's workers are ready"),
     KeySpec("lease", "lease/{node}", W, "a node's heartbeat: the beat and its agent's wall time"),
+    KeySpec("responder", "reach/{node}/{rank}", W, "where a worker answers probes on the data network"),
     KeySpec("fault", "faults/{node}", W, "a fault injector's kill of the node (when it struck)"),
     KeySpec("agent", "agent{node}/", W, "torch's agent bookkeeping (rendezvous.py's PrefixStore)"),
     # what the reporting worker mirrors for the launcher

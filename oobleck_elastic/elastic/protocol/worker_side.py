@@ -33,17 +33,22 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from oobleck_elastic.elastic.protocol.keys import generation_of, key
 from oobleck_elastic.elastic.protocol.side import Side
 from oobleck_elastic.elastic.protocol.waits import WaitTimeout
+from oobleck_elastic.elastic.reachability import left_out
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome, StepDecision
 from oobleck_elastic.errors import OobleckError
 
 __all__ = ["Fenced", "StepAborted", "WorkerSide"]
 
 logger = logging.getLogger(__name__)
+
+Probe = Callable[[Mapping[int, list[tuple[str, int]]]], set[int]]
+"""Which of the nodes (each with its workers' responders) this worker cannot reach
+(runtime.reach.unreachable)."""
 
 LIVENESS_CHECK_S = 0.05  # how often a commit wait looks for dead members (store round trips)
 
@@ -229,14 +234,17 @@ class WorkerSide(Side):
         return bool(self.store.try_get_json(key("rollcall started", generation=generation)))
 
     def roll_call(self, generation: int, me: tuple[int, int], members: list[int], workers_per_node: int,
-                  timeout: float, suspect_after: float, silent: Iterable[int] = ()) -> tuple[list[int], list[int]]:
+                  timeout: float, suspect_after: float, silent: Iterable[int] = (),
+                  probe: Probe | None = None) -> tuple[list[int], list[int]]:
         """Checks in and waits for the roll call (Note: [roll call]); returns (alive, dead) nodes.
         A failure is known here, so a member that has not checked in is dead as soon as its
         lease has stood still for `suspect_after` seconds (a few heartbeats), not a whole lease
         timeout; at once if it is among `silent` (this worker's peer watch saw its lease stand
         still that long already: Note: [silent members] in elastic/peer_watch.py). The dead
         are marked so (a node that joined once and died is never admitted), and a node marked
-        dead is dead here even if it answers (its workers fence themselves)."""
+        dead is dead here even if it answers (its workers fence themselves). Where every member
+        answered and none is dead, `probe` (runtime.reach.unreachable) gathers the evidence of
+        Note: [gray failures] (elastic/reachability.py), and the nodes it leaves out are dead."""
         silent = set(silent)
         self.store.set_json(key("rollcall started", generation=generation), True)
         self.store.set_json(key("rollcall", generation=generation, node=me[0], rank=me[1]), True)
@@ -269,8 +277,47 @@ class WorkerSide(Side):
                                        "unchanged for %.2f s here); marking it dead", me[0], generation, node,
                                        seen[0] if seen else None, seen[1] if seen else -1.0)
                         self.liveness.mark_dead(node, f"missed the roll call of generation {generation}")
+                if not absent and probe is not None and len(present) > 1 and me[0] in present:
+                    out = set(self._cut_off(generation, me, sorted(present), workers_per_node, deadline, probe))
+                    return sorted(present - out), sorted(out)
                 return sorted(present), absent
             self.clocks.sleep(max(0.005, self.store.poll_s))
+
+    def _cut_off(self, generation: int, me: tuple[int, int], present: list[int], workers_per_node: int,
+                 deadline: float, probe: Probe) -> tuple[int, ...]:
+        """Note: [gray failures]: this worker's probe of the other members' responders, written
+        down; once every member's workers wrote theirs (or at `deadline`), the nodes to leave
+        out, marked dead with the evidence."""
+        endpoints = {n: [(str(e[0]), int(e[1])) for w in range(workers_per_node)
+                         if (e := self.store.try_get_json(key("responder", node=n, rank=w))) is not None]
+                     for n in present if n != me[0]}
+        mine = probe(endpoints)
+        self.store.set_json(key("reach report", generation=generation, node=me[0], rank=me[1]), sorted(mine))
+        while True:
+            reports: dict[int, set[int]] = {}
+            missing = 0
+            for n in present:
+                for w in range(workers_per_node):
+                    got = self.store.try_get_json(key("reach report", generation=generation, node=n, rank=w))
+                    if got is None:
+                        missing += 1
+                    else:
+                        reports.setdefault(n, set()).update(got)
+            if not missing or self.clocks.clock() > deadline:
+                break
+            self.clocks.sleep(max(0.005, self.store.poll_s))
+        out = left_out(present, reports)
+        for node in out:
+            by = sorted(n for n, them in reports.items() if node in them)
+            if node == me[0]:
+                logger.error("[node %d] cut off from the other nodes on the data network (nodes %s could not reach "
+                             "it, it could not reach %s); leaving the run", node, by, sorted(mine))
+            elif not self.liveness.marked_dead(node):
+                logger.warning("[node %d] roll call of generation %d: node %d is cut off on the data network "
+                               "(nodes %s could not reach it); marking it dead", me[0], generation, node, by)
+                self.liveness.mark_dead(node, f"cut off on the data network in the roll call of generation "
+                                              f"{generation}: nodes {by} could not reach it")
+        return out
 
     def moved_on_without(self, generation: int, node: int) -> bool:
         """Whether generation `generation` + 1 was decided, and without `node`: a worker of that
