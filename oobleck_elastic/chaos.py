@@ -111,4 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if equal and not left else 1
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from oobleck_elastic.launcher.process_exit import exit_now
+
+    exit_now(main())

@@ -20,6 +20,7 @@ import logging
 import sys
 
 from oobleck_elastic.config import JobConfig, load_config
+from oobleck_elastic.launcher.process_exit import exit_now
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.node_starter import EarlyStarter, early_node_starter
 
@@ -116,4 +117,4 @@ def _launch(argv: list[str], early: EarlyStarter | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -100,4 +100,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from oobleck_elastic.launcher.process_exit import exit_now
+
+    exit_now(main())
