@@ -20,9 +20,9 @@ import logging
 import sys
 
 from oobleck_elastic.config import JobConfig, load_config
-from oobleck_elastic.launcher.process_exit import exit_now
 from oobleck_elastic.errors import OobleckError
 from oobleck_elastic.launcher.node_starter import EarlyStarter, early_node_starter
+from oobleck_elastic.launcher.process_exit import exit_now
 
 __all__ = ["main", "build_parser", "job_config_of"]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from typing import Any
 
 from oobleck_elastic.config import JobConfig, load_config

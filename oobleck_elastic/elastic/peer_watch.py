@@ -107,7 +107,8 @@ class PeerWatch:
         run's timeouts (elastic.rollcall_window_s, a poll of half a heartbeat, the lease timeout),
         and the worker's responder to its peers' probes, published (Note: [gray failures] in
         elastic/reachability.py)."""
-        own = connect_store(store.url, run_id, timeout=ela.lease_timeout_s, outage_timeout=ela.rollcall_window_s)
+        own = connect_store(store.url, run_id, timeout=ela.lease_timeout_s, outage_timeout=ela.rollcall_window_s,
+                            lost_after=ela.lease_timeout_s / 2)
         watch = cls(own, node, ela.rollcall_window_s, ela.heartbeat_interval_s / 2, ela.lease_timeout_s)
         watch.responder = Responder(data_address())
         own.set_json(key("responder", node=node, rank=rank), list(watch.responder.endpoint))

@@ -239,7 +239,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
+def open_store(params: RendezvousParameters, timeout: float, lost_after: float | None = None) -> MembershipStore:
     """The store `--rdzv-conf store=...` names at `--rdzv-endpoint`: `embedded` (default; an
     agent on the endpoint's machine hosts a TCPStore there) or `etcd` (a v2 etcd server)."""
     kind = store_kind(params.config)
@@ -261,7 +261,7 @@ def open_store(params: RendezvousParameters, timeout: float) -> MembershipStore:
             return EmbeddedStore(host, port, params.run_id, is_master=True, timeout=timeout)
         except StoreAddressInUse:  # another agent of this machine hosts it: be its client
             pass
-    return EmbeddedStore(host, port, params.run_id, timeout=timeout)
+    return EmbeddedStore(host, port, params.run_id, timeout=timeout, lost_after=lost_after)
 
 
 def create_handler(params: RendezvousParameters) -> OobleckRendezvousHandler:
@@ -270,7 +270,12 @@ def create_handler(params: RendezvousParameters) -> OobleckRendezvousHandler:
     heartbeat = float(params.get("heartbeat_interval", 0.2))
     if heartbeat <= 0:
         raise ConfigError(f"--rdzv-conf heartbeat_interval must be > 0 seconds, got {heartbeat}")
-    return OobleckRendezvousHandler(open_store(params, timeout), min_nodes=params.min_nodes,
+    # --rdzv-conf lease_timeout: our launcher passes elastic.lease_timeout_s (Note: [a store host that vanishes])
+    lease_timeout = float(params.get("lease_timeout", 15.0))
+    if lease_timeout <= 0:
+        raise ConfigError(f"--rdzv-conf lease_timeout must be > 0 seconds, got {lease_timeout}")
+    lost_after = lease_timeout / 2
+    return OobleckRendezvousHandler(open_store(params, timeout, lost_after), min_nodes=params.min_nodes,
                                     max_nodes=params.max_nodes, timeout=timeout, heartbeat_interval=heartbeat)
 
 

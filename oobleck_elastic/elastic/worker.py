@@ -66,8 +66,8 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
         watch_parent()
     url, who = found
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    store = connect_store(url, who.run_id, timeout=cfg.elastic.join_timeout_s,
-                          outage_timeout=cfg.elastic.lease_timeout_s)  # a shorter outage is ridden out
+    store = connect_store(url, who.run_id, timeout=cfg.elastic.join_timeout_s,  # a shorter outage is ridden out
+                          outage_timeout=cfg.elastic.lease_timeout_s, lost_after=cfg.elastic.lease_timeout_s / 2)
     if alone is None:
         check_lease(store, who.node, cfg)
         fault = FaultInjector.from_environ(who.node, Liveness(store))
@@ -84,8 +84,10 @@ def run_worker(model: ModelSpec, dataset: Dataset, cfg: JobConfig, eval_dataset:
     try:
         reason = run.run()
     except (dist.DistNetworkError, dist.DistStoreError, StoreUnreachable) as exc:
+        said = str(exc).splitlines()[0] if isinstance(exc, StoreUnreachable) else \
+            f"the membership store at {store.url} is unreachable ({str(exc).splitlines()[0][:120]})"
         raise OobleckError(
-            f"the membership store at {store.url} is unreachable ({str(exc).splitlines()[0][:120]}); "
+            f"{said}; "
             "the embedded store does not outlive the process hosting it. Host it on a machine that stays "
             "up (the launcher does for local jobs) or use the etcd store") from exc
     except RunFailed as exc:  # say so to the others (joiners, the launcher), then fail as before

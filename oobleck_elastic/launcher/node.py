@@ -28,10 +28,13 @@ logger = logging.getLogger(__name__)
 
 def with_job_settings(rdzv_conf: str, cfg: JobConfig | None) -> str:
     """`--rdzv-conf` plus the rendezvous settings of the job (heartbeat_interval from
-    elastic.heartbeat_interval_s); one given in `rdzv_conf` itself wins."""
-    if cfg is None or "heartbeat_interval" in _parse_rendezvous_config(rdzv_conf):
+    elastic.heartbeat_interval_s, lease_timeout from elastic.lease_timeout_s); one given in
+    `rdzv_conf` itself wins."""
+    if cfg is None:
         return rdzv_conf
-    return ",".join(filter(None, [rdzv_conf, f"heartbeat_interval={cfg.elastic.heartbeat_interval_s}"]))
+    given = _parse_rendezvous_config(rdzv_conf)
+    job = {"heartbeat_interval": cfg.elastic.heartbeat_interval_s, "lease_timeout": cfg.elastic.lease_timeout_s}
+    return ",".join(filter(None, [rdzv_conf, *(f"{k}={v}" for k, v in job.items() if k not in given)]))
 
 
 def rendezvous_parameters(args: argparse.Namespace

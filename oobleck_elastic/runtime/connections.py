@@ -72,6 +72,31 @@ class SocketSet:
                 kept.add((fd, inode))
         return cls(frozenset(kept))
 
+    def to(self, host: str, port: int) -> SocketSet:
+        """Those of the set connected to `host`:`port`."""
+        address = (_resolve(host), port)
+        return SocketSet(frozenset(s for s in self.sockets if isinstance(p := _peer(*s), tuple)
+                                   and (str(p[0]).removeprefix("::ffff:"), p[1]) == address))
+
+    def setsockopts(self, options: Iterable[tuple[int, int, int]]) -> None:
+        """Sets each (level, option, value) on each socket of the set still open."""
+        options = list(options)
+        for fd, inode in self.sockets:
+            try:
+                dup = os.dup(fd)
+            except OSError:
+                continue
+            try:
+                if os.fstat(dup).st_ino != inode:
+                    continue
+                with socket.socket(fileno=dup) as sock:
+                    dup = -1
+                    for level, option, value in options:
+                        sock.setsockopt(level, option, value)
+            finally:
+                if dup >= 0:
+                    os.close(dup)
+
     def cut(self) -> int:
         """Shuts down each socket of the set that is still open (both directions); how many.
         Safe from any thread; a socket already closed, or its descriptor reused, is skipped."""

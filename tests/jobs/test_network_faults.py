@@ -6,10 +6,12 @@ power (its links go down, then its processes die: no reset reaches anyone), or i
 partitioned (its links down for a few seconds, its processes alive, then up again), or it loses
 its data link for good but keeps the store (a gray failure: it answers every roll call). The
 others go on without it, exactly; a partitioned host that comes back finds itself fenced and
-leaves, and the host cut off from its peers is left out on their evidence and leaves. Needs root; elsewhere these tests skip, saying so."""
+leaves, and the host cut off from its peers is left out on their evidence and leaves. Needs
+root; elsewhere these tests skip, saying so."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -100,3 +102,58 @@ def test_a_host_that_fails_silently_is_recovered_exactly(tmp_path, failure_free,
                              (tmp_path / f"host{VICTIM}.log").read_text())
             assert codes[VICTIM] != 0 and said, _logs(tmp_path)
             assert recoveries[0]["lost"] == [int(said.group(1))], recoveries  # node ids: in order of arrival
+
+
+def _embedded_node(bed: Bed, k: int, hosting: int, tmp_path, name: str) -> subprocess.Popen:
+    """Host k's node of a job whose embedded store host `hosting` serves (its first agent)."""
+    log = open(tmp_path / f"{name}{k}.log", "w")  # noqa: SIM115 - the process writes it until it ends
+    return bed.popen(bed.hosts[k], [
+        sys.executable, "-m", "oobleck_elastic.launch", f"--nnodes={HOSTS - 1}:{HOSTS}", "--nproc-per-node=1",
+        f"--rdzv-endpoint={bed.hosts[hosting].address('store')}:29400",
+        f"--rdzv-conf=is_host={str(k == hosting).lower()}",
+        f"--rdzv-id={name}", SCRIPT, *job_args(tmp_path, "job"), "--set", "train.steps=40",
+        "--set", "checkpoint.interval=4", "--set", "planner.memory_per_worker=1GB"],
+        cwd=ROOT, env=Bed.env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_losing_the_embedded_store_host_ends_every_node_in_one_line_and_a_relaunch_resumes(tmp_path, failure_free_40):
+    """The embedded store's host loses power (Note: [a store host that vanishes] in
+    elastic/stores/embedded.py): no reset reaches anyone, and a store request would wait on the
+    kernel's retransmissions for about 16 minutes. Every other node says the store is
+    unreachable, in one line, and ends, leaving no process on its host; the same command on the
+    three hosts left (the first of them hosting the store now) resumes from the newest
+    checkpoint and ends with the failure-free weights."""
+    with Bed(HOSTS) as bed:
+        procs = [_embedded_node(bed, 0, 0, tmp_path, "first")]
+        procs += [_embedded_node(bed, k, 0, tmp_path, "first") for k in range(1, HOSTS)]
+        try:
+            _wait_for_step(tmp_path, 10, procs)
+            bed.poweroff(bed.hosts[0])
+            start = time.monotonic()
+            codes = [p.wait(timeout=120) for p in procs[1:]]  # a hang guard, far from 16 minutes
+            print(f"every node ended {time.monotonic() - start:.1f} s after the store's host lost power")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        logs = [(tmp_path / f"first{k}.log").read_text() for k in range(1, HOSTS)]
+        assert all(c != 0 for c in codes), (codes, logs)
+        for text in logs:
+            said = [line for line in text.splitlines() if line.startswith("error:")]
+            assert len(said) == 1 and "membership store at" in said[0] and "is unreachable" in said[0], text[-3000:]
+        assert not any(bed.pids(bed.hosts[k]) for k in range(1, HOSTS)), "a process outlived its node"
+        saved = sorted(d for d in os.listdir(tmp_path / "job/checkpoints") if d.startswith("step_"))
+        newest = int(saved[-1].removeprefix("step_"))
+        procs = [_embedded_node(bed, k, 1, tmp_path, "again") for k in range(1, HOSTS)]
+        try:
+            codes = [p.wait(timeout=300) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        assert codes == [0] * (HOSTS - 1), [(tmp_path / f"again{k}.log").read_text()[-2000:] for k in range(1, HOSTS)]
+        log = records(tmp_path / "job/metrics.jsonl")
+        begin = max(i for i, r in enumerate(log) if r.get("event") == "resumed")
+        assert log[begin]["step"] == newest, (log[begin], saved)
+        assert [r["step"] for r in log[begin:] if "step" in r and "event" not in r] == list(range(newest, 40))
+        assert_matches([r for r in log[begin:] if r.get("event") == "final"][0], failure_free_40)

@@ -27,7 +27,7 @@ def test_the_jobs_heartbeat_reaches_each_nodes_rendezvous(monkeypatch):
                                       "--config", "job.yaml"])
     cmd = node_command(args, cfg, f"127.0.0.1:{free_port()}", "heartbeat")
     assert cmd[1:4] == ["-m", "oobleck_elastic.launch", "--oobleck-node"]
-    assert "--rdzv-conf=join_timeout=5,heartbeat_interval=0.2" in cmd
+    assert "--rdzv-conf=join_timeout=5,heartbeat_interval=0.2,lease_timeout=15.0" in cmd
     *_, params = rendezvous_parameters(build_parser().parse_args(cmd[3:]))  # as the node parses it
     handler = create_handler(params)
     assert handler.heartbeat_interval == 0.2 and handler.timeout == 5.0

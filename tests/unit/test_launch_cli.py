@@ -14,9 +14,10 @@ from oobleck_elastic.launcher.node import with_job_settings
 
 
 def test_a_heartbeat_given_in_rdzv_conf_wins_and_no_job_adds_nothing():
-    cfg = load_config(None, ["elastic.heartbeat_interval_s=0.2"])
-    assert with_job_settings("store=etcd,heartbeat_interval=0.1", cfg) == "store=etcd,heartbeat_interval=0.1"
-    assert with_job_settings("", cfg) == "heartbeat_interval=0.2"
+    cfg = load_config(None, ["elastic.heartbeat_interval_s=0.2", "elastic.lease_timeout_s=12"])
+    assert with_job_settings("store=etcd,heartbeat_interval=0.1", cfg) == \
+        "store=etcd,heartbeat_interval=0.1,lease_timeout=12.0"
+    assert with_job_settings("", cfg) == "heartbeat_interval=0.2,lease_timeout=12.0"
     assert with_job_settings("store=etcd", None) == "store=etcd"
 
 
