@@ -6,11 +6,13 @@ power (its links go down, then its processes die: no reset reaches anyone), or i
 partitioned (its links down for a few seconds, its processes alive, then up again), or it loses
 its data link for good but keeps the store (a gray failure: it answers every roll call). The
 others go on without it, exactly; a partitioned host that comes back finds itself fenced and
-leaves, and the host cut off from its peers is left out on their evidence and leaves. Needs
-root; elsewhere these tests skip, saying so."""
+leaves, and the host cut off from its peers is left out on their evidence and leaves. No split
+brain: nothing the lost host wrote after the others moved on is left in etcd. Needs root;
+elsewhere these tests skip, saying so."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -20,6 +22,7 @@ import time
 import pytest
 from jobs import ROOT, SCRIPT, assert_matches, job_args, records
 
+from oobleck_elastic.elastic.protocol import RECORDS
 from oobleck_elastic.testing.netbed import Bed, BedUnavailable
 
 try:
@@ -63,6 +66,16 @@ def _wait_for_step(tmp_path, step: int, procs, timeout: float = 200.0) -> None:
         time.sleep(0.1)
 
 
+def _keys_left(bed: Bed) -> list[str]:
+    """The run's keys in the bed's etcd, read from the store's own host."""
+    url = f"etcd://{bed.store.address('store')}:{ETCD_PORT}"
+    read = bed.popen(bed.store, [sys.executable, "-c", "import json, sys; from oobleck_elastic.elastic.stores import "
+                                 "connect_store; print(json.dumps(connect_store(sys.argv[1], 'bed').keys()))", url],
+                     cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    out, _ = read.communicate(timeout=60)
+    return json.loads(out)
+
+
 def _logs(tmp_path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("host*.log")))
 
@@ -85,6 +98,7 @@ def test_a_host_that_fails_silently_is_recovered_exactly(tmp_path, failure_free,
                 time.sleep(PARTITION_S)
                 bed.link(victim, up=True)
             codes = [p.wait(timeout=300) for p in procs]
+            left = _keys_left(bed)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -95,6 +109,9 @@ def test_a_host_that_fails_silently_is_recovered_exactly(tmp_path, failure_free,
         assert [len(r["lost"]) for r in recoveries] == [1], _logs(tmp_path)
         assert [c for k, c in enumerate(codes) if k != VICTIM] == [0] * (HOSTS - 1), (codes, _logs(tmp_path))
         assert_matches([r for r in log if r.get("event") == "final"][0], failure_free)
+        # no split brain: nothing the lost host wrote after the others moved on is left in the
+        # store (they swept every working key; what is left must be the run's records)
+        assert "done" in left and [k for k in left if not RECORDS.fullmatch(k)] == [], left
         if failure == "partition":  # back on the network, it learns it was left out and leaves
             assert codes[VICTIM] != 0 and "fenced" in (tmp_path / f"host{VICTIM}.log").read_text(), _logs(tmp_path)
         if failure == "data-partition":  # the others' evidence left it out, and it says so
