@@ -34,7 +34,6 @@ Note: [forking after torch]
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import importlib
 import json
@@ -50,6 +49,8 @@ import threading
 import time
 import traceback
 import warnings
+
+from oobleck_elastic.launcher.process_exit import exit_now
 
 __all__ = ["ForkedProcess", "WORKER_MODULES", "Zygote", "main"]
 
@@ -293,15 +294,7 @@ def _child(request: dict, channel: socket.socket, starter: int) -> None:
     except BaseException:  # noqa: BLE001 - the process's last word goes to its log
         traceback.print_exc()
     finally:
-        try:  # what python does on its way out: wait for non-daemon threads, run atexit
-            for thread in threading.enumerate():
-                if thread is not threading.main_thread() and not thread.daemon:
-                    thread.join()
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        exit_now(code)  # what python does on its way out, less the teardown
 
 
 def _reap(channel: socket.socket, children: set[int]) -> None:
