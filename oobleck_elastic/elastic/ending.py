@@ -87,13 +87,14 @@ class Ending:
         node = plan.members[0].node  # global rank 0's
         generation, step = plan.generation, self.trainer.completed_steps
 
-        def check() -> bool | None:
+        def check() -> str | None:  # a wait ends on a value that is neither None nor False
             if self.protocol.finished():
-                return True
+                return "recorded"
             if self.protocol.liveness.dead([node]) or self.protocol.aborted(generation, step):
-                return False
+                return "not recorded"
             return None
         try:
-            return self.protocol.wait("rank 0 to record the run's end", check, self.cfg.elastic.agreement_timeout_s)
+            verdict = self.protocol.wait("rank 0 to record the run's end", check, self.cfg.elastic.agreement_timeout_s)
         except WaitTimeout:
             return False
+        return verdict == "recorded"

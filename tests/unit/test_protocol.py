@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from generation_records import record
 
+from oobleck_elastic.config import load_config
+from oobleck_elastic.elastic.ending import Ending
 from oobleck_elastic.elastic.protocol import CheckpointSide, Clocks, StepAborted, WaitTimeout, WorkerSide, wait_until
+from oobleck_elastic.elastic.protocol.keys import key
 from oobleck_elastic.elastic.records import GenerationRecord, Outcome, RecordError, StepDecision
 from oobleck_elastic.elastic.stores import MembershipStore, StoreTimeout, StoreUnreachable
 from oobleck_elastic.errors import OobleckError
+from oobleck_elastic.planning import WorkerRef
 
 
 class FakeClock:
@@ -397,3 +402,25 @@ def test_a_joiner_stops_waiting_when_the_run_failed(store, clock):
     clock.at(clock.now + 1.0, lambda: joining.protocol.propose(record(1, nodes=((0, 1), (5,))), 1.0))
     admitted = joining.join()
     assert isinstance(admitted, GenerationRecord) and admitted.generation == 1
+
+
+@pytest.mark.parametrize("rank_0, recorded, waited", [
+    ("dead", False, False),      # it died before it recorded the end: recover at once
+    ("records", True, False),    # it recorded the end: leave
+    ("silent", False, True),     # alive, and nothing happens: the agreement timeout ends the wait
+])
+def test_a_worker_whose_final_barrier_failed_waits_for_the_end_only_while_rank_0_lives(store, clock, rank_0,
+                                                                                      recorded, waited):
+    """Ending.recorded_anyway: the wait used to go on to its timeout (30 s) after rank 0's node
+    was known dead, as its check said "no" with a value a wait takes for "not yet"."""
+    p = protocol(store, clock)
+    trainer = SimpleNamespace(completed_steps=6)
+    ending = Ending(load_config(None, []), p, None, trainer, None)  # type: ignore[arg-type]  # what it uses
+    ending.at_barrier = True
+    if rank_0 == "dead":
+        clock.at(0.5, lambda: p.liveness.mark_dead(1, "killed"))
+    elif rank_0 == "records":
+        clock.at(0.5, lambda: store.set_json(key("done"), {"steps": 6}))
+    plan = SimpleNamespace(members=(WorkerRef(1, 0), WorkerRef(2, 0)), generation=1)
+    assert ending.recorded_anyway(plan) is recorded  # type: ignore[arg-type]
+    assert (clock.now >= 30.0) is waited, clock.now
