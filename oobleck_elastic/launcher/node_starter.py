@@ -1,7 +1,9 @@
 """A local job's node starter: one process that imports torch, this package and what the workers
 use once, then forks the job's node agents (launcher/zygote.py). The launcher spawns it before it
 imports torch itself (`early_node_starter`), so the two imports run side by side: on two cores
-a local job is under way some two seconds sooner. This module imports nothing heavy."""
+a local job is under way some two seconds sooner. Where OOBLECK_NODE_STARTER names a warm starter
+(launcher/warm_starter.py), the node starter is forked by it instead, its imports done already.
+This module imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from oobleck_elastic.launcher.zygote import WORKER_MODULES, Zygote
+from oobleck_elastic.launcher import warm_starter
+from oobleck_elastic.launcher.zygote import NODE_STARTER_MODULES, Zygote
 
-__all__ = ["NODE_PROGRAM", "EarlyStarter", "early_node_starter", "node_env", "spawn_node_starter"]
+__all__ = ["NODE_PROGRAM", "EarlyStarter", "early_node_starter", "node_env",
+           "spawn_node_starter"]
 
 NODE_PROGRAM = (sys.executable, "-m", "oobleck_elastic.launch")  # what each node runs, before its arguments
-# what a node imports besides what its workers do
-_NODE_MODULES = ("oobleck_elastic.launch", "oobleck_elastic.launcher.node")
 
 
 def node_env() -> dict[str, str]:
@@ -29,8 +31,18 @@ def node_env() -> dict[str, str]:
 def spawn_node_starter(run_id: str) -> Zygote:
     """The starter of run `run_id`'s nodes. Its environment names the run: /proc/PID/environ of
     every process forked from it (nodes, their workers) shows the starter's, so tools find the
-    run's processes by it."""
-    return Zygote.spawn({**node_env(), "OOBLECK_RUN_ID": run_id}, run_id, [*_NODE_MODULES, *WORKER_MODULES])
+    run's processes by it. Forked by the warm starter that OOBLECK_NODE_STARTER names, if any
+    (whose processes show the run id on their command line instead); spawned if it does not
+    answer."""
+    env = {**node_env(), "OOBLECK_RUN_ID": run_id}
+    warm = os.environ.get(warm_starter.ENV_VAR)
+    if warm:
+        try:
+            return warm_starter.request_starter(warm, run_id, env)
+        except (OSError, ValueError) as exc:
+            print(f"oobleck: the warm node starter {warm_starter.ENV_VAR}={warm} did not start this job's "
+                  f"nodes ({exc}); starting them without it", file=sys.stderr)
+    return Zygote.spawn(env, run_id, list(NODE_STARTER_MODULES))
 
 
 @dataclass

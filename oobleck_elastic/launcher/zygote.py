@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import json
+import logging
 import os
 import random
 import runpy
@@ -52,7 +53,7 @@ import warnings
 
 from oobleck_elastic.launcher.process_exit import exit_now
 
-__all__ = ["ForkedProcess", "WORKER_MODULES", "Zygote", "main"]
+__all__ = ["ForkedProcess", "NODE_STARTER_MODULES", "WORKER_MODULES", "Zygote", "main"]
 
 START_TIMEOUT_S = 120.0  # the first child waits for the starter's imports
 # what a training worker imports besides the user's script: imported by a starter once
@@ -60,6 +61,8 @@ WORKER_MODULES = ("torch.distributed.pipelining", "oobleck_elastic.elastic.worke
                   "oobleck_elastic.data",
                   # the reporting worker draws each generation's layout before its first step
                   "matplotlib.figure", "matplotlib.backends.backend_agg")
+# what a local job's node starter imports: a node's modules and its workers'
+NODE_STARTER_MODULES = ("oobleck_elastic.launch", "oobleck_elastic.launcher.node", *WORKER_MODULES)
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # linux/prctl.h
 
 
@@ -90,8 +93,11 @@ _ENTRY = "import sys; from oobleck_elastic.launcher.zygote import main; sys.exit
 class Zygote:
     """The owner's end of a starter: forks processes through it."""
 
-    def __init__(self, channel: socket.socket, pid: int, proc: subprocess.Popen | None = None) -> None:
-        self.channel, self.pid, self.proc = channel, pid, proc
+    def __init__(self, channel: socket.socket, pid: int, proc: subprocess.Popen | None = None,
+                 reaped_elsewhere: bool = False) -> None:
+        """`proc`: the starter, spawned by this process; else forked by this process, or, with
+        `reaped_elsewhere`, by another (a warm starter, launcher/warm_starter.py)."""
+        self.channel, self.pid, self.proc, self.reaped_elsewhere = channel, pid, proc, reaped_elsewhere
         self.children: dict[int, ForkedProcess] = {}
         self._buffer, self._gone = b"", False
         self._started: list[int] = []
@@ -195,14 +201,22 @@ class Zygote:
             return
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            try:
-                if os.waitpid(self.pid, os.WNOHANG)[0]:
+            if self.reaped_elsewhere:
+                if not _alive(self.pid):  # its parent reaps it (a zombie is still alive here)
                     return
-            except ChildProcessError:
-                return
+            else:
+                try:
+                    if os.waitpid(self.pid, os.WNOHANG)[0]:
+                        return
+                except ChildProcessError:
+                    return
             time.sleep(0.01)
-        os.kill(self.pid, signal.SIGKILL)
-        os.waitpid(self.pid, 0)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            if not self.reaped_elsewhere:
+                os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
 
 
 def _alive(pid: int) -> bool:
@@ -281,6 +295,7 @@ def _child(request: dict, channel: socket.socket, starter: int) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(request["env"])
+        _fresh_logging()
         if request.get("die_with_starter"):  # the parent a worker watches (elastic/process.py)
             os.environ["OOBLECK_PARENT_PID"] = str(starter)
         random.seed()
@@ -295,6 +310,16 @@ def _child(request: dict, channel: socket.socket, starter: int) -> None:
         traceback.print_exc()
     finally:
         exit_now(code)  # what python does on its way out, less the teardown
+
+
+def _fresh_logging() -> None:
+    """Logging as a new interpreter has it: the process that forked the starter (a node, whose
+    entry point configured logging for itself) must not decide how its workers log, or a
+    worker's own `logging.basicConfig` does nothing."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
 
 
 def _reap(channel: socket.socket, children: set[int]) -> None:

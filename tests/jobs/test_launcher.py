@@ -38,11 +38,13 @@ def our_processes(marker: str):
 
 
 def test_local_job_trains_reports_and_matches_reference(tmp_path):
+    """The way a user runs it: without the tier's warm node starter (tests/jobs/conftest.py)."""
     script = str(ROOT / "examples/gpt/train.py")
+    cold = {k: v for k, v in os.environ.items() if k != "OOBLECK_NODE_STARTER"}
     proc = subprocess.run([sys.executable, "-m", "oobleck_elastic.launch", "--oobleck-local-nodes", "3",
                            "--nproc-per-node", "1", "--oobleck-log-dir", str(tmp_path / "logs"),
                            "--rdzv-id", "launchtest", script, *job_args(tmp_path, "job")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=cold)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step     4/4" in proc.stdout and "tensorboard --logdir" in proc.stdout
     assert "Warning" not in proc.stderr, proc.stderr  # what a user sees of a clean run: no noise

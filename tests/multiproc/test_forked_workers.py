@@ -1,6 +1,7 @@
 """Workers forked by a node's worker starter (launcher/zygote.py, launcher/forked_workers.py)
 behave for torch's agent as exec'd ones do: each runs its script as `python -u SCRIPT ARGS`
-would (argv, environment, __main__, sys.path[0], exit status, its own log files), dies with
+would (argv, environment, __main__, sys.path[0], exit status, its own log files and logging
+configuration), dies with
 its starter, and torch's context stops them with its signal. Run in a fresh interpreter: the
 starter must be forked before any thread starts, and pytest's process may have some."""
 
@@ -21,6 +22,8 @@ SCENARIO = textwrap.dedent('''
     from oobleck_elastic.launcher.zygote import Zygote
 
     out, script = sys.argv[1], sys.argv[2]
+    import logging
+    logging.basicConfig(level=logging.WARNING, format="NODE %(message)s")  # as a node's entry point does
     starter = Zygote.fork([])
     start = starting_through(starter)
 
@@ -62,6 +65,9 @@ WORKER = textwrap.dedent('''
     mode, rank = sys.argv[1], int(sys.argv[2])
     print("argv", sys.argv[1:], "main", __name__, "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
     print("env", os.environ["LOCAL_RANK"], os.environ["OOBLECK_NODE_ID"], file=sys.stderr)
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # the worker's, not its node's
+    logging.info("worker logs")
     if mode == "sleep":
         open(os.path.join(os.environ["OUT"], f"ready{rank}"), "w").close()
         time.sleep(600)
@@ -79,7 +85,7 @@ def test_forked_workers_run_their_script_exit_with_its_status_and_die_with_their
     assert report["failures"] == {"1": 3}, report  # rank 0 exited 0, rank 1 with its status
     for rank in ("0", "1"):
         assert report["stdout"][rank] == f"argv ['exit', '{rank}'] main __main__ path0 True\n"
-        assert report["stderr"][rank] == f"env {rank} 7\n"
+        assert report["stderr"][rank] == f"env {rank} 7\nINFO worker logs\n"
     assert report["names"] == ["oobleck-w7.0", "oobleck-w7.1"]
     assert report["sessions"] == [True, True] and report["parents"] == [True, True]
     assert report["closed"] == {"0": -15, "1": -15}, "torch's context stopped them with its signal"
