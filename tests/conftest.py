@@ -22,7 +22,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "helpers"))
 
 from etcd_server import etcd_server, make_tls  # noqa: E402
-from jobs import failure_free, failure_free_40  # noqa: E402,F401 (fixtures: the single-process reference runs)
+from jobs import failure_free, failure_free_40, warm_node_starter  # noqa: E402,F401 (fixtures: the references, the warm starter)
 
 SLOW_TIERS = ("multiproc", "jobs", "gpu")  # what the `slow` marker means: processes are started
 # Each test's budget, per tier (a hang guard, and what keeps the suite from creeping back: the

@@ -66,17 +66,18 @@ _ENTRY = "import sys; from oobleck_elastic.launcher.warm_starter import main; sy
 _PR_SET_PDEATHSIG = 1
 
 
-def request_starter(path: str, run_id: str, env: dict[str, str], timeout: float = REQUEST_TIMEOUT_S) -> Zygote:
+def request_starter(path: str, run_id: str, env: dict[str, str], timeout: float = REQUEST_TIMEOUT_S,
+                    cwd: str | None = None) -> Zygote:
     """A node starter for run `run_id`, forked by the warm starter listening on `path`, with
-    `env`, this process's working directory and standard streams. Raises OSError (or
-    ValueError for a run id it cannot name) when it cannot have one."""
+    `env`, this process's standard streams and working directory (or `cwd`). Raises OSError
+    (or ValueError for a run id it cannot name) when it cannot have one."""
     if len(run_id) > RUN_ID_MAX:
         raise ValueError(f"a warm starter names runs of up to {RUN_ID_MAX} characters, not {len(run_id)}")
     channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         channel.settimeout(timeout)
         channel.connect(path)
-        payload = (json.dumps({"run_id": run_id, "env": env, "cwd": os.getcwd()}) + "\n").encode()
+        payload = (json.dumps({"run_id": run_id, "env": env, "cwd": cwd or os.getcwd()}) + "\n").encode()
         sys.stdout.flush()
         sys.stderr.flush()
         sent = socket.send_fds(channel, [payload], [0, 1, 2])

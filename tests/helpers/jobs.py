@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
-import sys
+import tempfile
 
 import psutil
 import pytest
 
 from oobleck_elastic.elastic.process import run_id_of, worker_identity
+from oobleck_elastic.elastic.protocol.waits import wait_until
+from oobleck_elastic.launcher import warm_starter
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples/gpt/train.py")
@@ -32,17 +35,21 @@ def records(path):
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
 
 
-def reference_run(tmp_path_factory, *sets: str) -> dict:
+def reference_run(tmp_path_factory, warm: str, *sets: str) -> dict:
     """The final record of the single-process run of the job with `sets` (one worker holds the
-    whole model), run once per session for each `sets` however many tests compare with it."""
+    whole model), run once per session for each `sets` however many tests compare with it;
+    forked by the warm starter at `warm`, as `python SCRIPT ...` would run it."""
     key = tuple(sets)
     if key not in _REFERENCES:
         tmp = tmp_path_factory.mktemp("reference")
         # on the CPU even where GPUs are (a session fixture runs before conftest hides them)
         alone = [*job_args(tmp, "ref"), "--set", "planner.memory_per_worker=1GB", "--set", "train.device=cpu", *sets]
-        proc = subprocess.run([sys.executable, SCRIPT, *alone], cwd=tmp, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
+        starter = warm_starter.request_starter(warm, "reference", dict(os.environ), cwd=str(tmp))
+        try:
+            code = starter.start([SCRIPT, *alone], dict(os.environ), str(tmp / "ref.log"), str(tmp / "ref.log"))
+            assert code.wait(timeout=300) == 0, (tmp / "ref.log").read_text()[-3000:]
+        finally:
+            starter.close()
         _REFERENCES[key] = records(tmp / "ref/metrics.jsonl")[-1]
     return _REFERENCES[key]
 
@@ -51,16 +58,34 @@ _REFERENCES: dict[tuple[str, ...], dict] = {}
 
 
 @pytest.fixture(scope="session")
-def failure_free(tmp_path_factory):
+def failure_free(tmp_path_factory, warm_node_starter):
     """The single-process run (equal to a failure-free multi-node run, see test_launcher)."""
-    return reference_run(tmp_path_factory)
+    return reference_run(tmp_path_factory, warm_node_starter)
 
 
 @pytest.fixture(scope="session")
-def failure_free_40(tmp_path_factory):
+def failure_free_40(tmp_path_factory, warm_node_starter):
     """The single-process run of 40 steps: long enough for a node started at step 3 to be
     admitted before the end."""
-    return reference_run(tmp_path_factory, "--set", "train.steps=40")
+    return reference_run(tmp_path_factory, warm_node_starter, "--set", "train.steps=40")
+
+
+@pytest.fixture(scope="session")
+def warm_node_starter():
+    """The path of one warm starter (launcher/warm_starter.py) for the session: it imports
+    torch once, not once per job."""
+    folder = tempfile.mkdtemp(prefix="oobleck-starter-")  # a short path: a socket's is at most 107 bytes
+    path = os.path.join(folder, "node-starter.sock")
+    proc = subprocess.Popen(warm_starter.command(path), stdin=subprocess.DEVNULL)
+    try:
+        wait_until("the warm node starter to listen", lambda: os.path.exists(path) or proc.poll() is not None,
+                   timeout=120, poll_s=0.05)
+        assert proc.poll() is None, f"the warm node starter exited with {proc.returncode}"
+        yield path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def assert_matches(final, reference, rel=1e-9):
