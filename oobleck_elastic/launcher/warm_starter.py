@@ -54,7 +54,7 @@ import sys
 import traceback
 
 from oobleck_elastic.launcher.process_exit import exit_now
-from oobleck_elastic.launcher.zygote import NODE_STARTER_MODULES, Zygote, serve
+from oobleck_elastic.launcher.zygote import NODE_STARTER_MODULES, Zygote, freeze_heap, serve
 
 __all__ = ["ENV_VAR", "RUN_ID_MAX", "main", "request_starter"]
 
@@ -111,6 +111,7 @@ def serve_forever(path: str, modules: list[str]) -> None:
     until killed. It starts no thread: a forked child inherits no lock another thread held."""
     for module in modules:
         importlib.import_module(module)
+    freeze_heap()  # Note: [frozen heap before fork] in launcher/zygote.py
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = f"{path}.{os.getpid()}"
     listener.bind(bound)

@@ -1,7 +1,7 @@
 """Workers forked by a node's worker starter (launcher/zygote.py, launcher/forked_workers.py)
 behave for torch's agent as exec'd ones do: each runs its script as `python -u SCRIPT ARGS`
 would (argv, environment, __main__, sys.path[0], exit status, its own log files and logging
-configuration), dies with
+configuration) on the heap its starter froze, dies with
 its starter, and torch's context stops them with its signal. Run in a fresh interpreter: the
 starter must be forked before any thread starts, and pytest's process may have some."""
 
@@ -68,6 +68,8 @@ WORKER = textwrap.dedent('''
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")  # the worker's, not its node's
     logging.info("worker logs")
+    import gc
+    print("frozen heap", gc.get_freeze_count() > 0)  # inherited frozen from its starter
     if mode == "sleep":
         open(os.path.join(os.environ["OUT"], f"ready{rank}"), "w").close()
         time.sleep(600)
@@ -84,7 +86,7 @@ def test_forked_workers_run_their_script_exit_with_its_status_and_die_with_their
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["failures"] == {"1": 3}, report  # rank 0 exited 0, rank 1 with its status
     for rank in ("0", "1"):
-        assert report["stdout"][rank] == f"argv ['exit', '{rank}'] main __main__ path0 True\n"
+        assert report["stdout"][rank] == f"argv ['exit', '{rank}'] main __main__ path0 True\nfrozen heap True\n"
         assert report["stderr"][rank] == f"env {rank} 7\nINFO worker logs\n"
     assert report["names"] == ["oobleck-w7.0", "oobleck-w7.1"]
     assert report["sessions"] == [True, True] and report["parents"] == [True, True]
