@@ -2,8 +2,10 @@
 layers of which pipeline) and throughput over the steps, with the membership changes marked.
 
 Figures are built on `matplotlib.figure.Figure` with the Agg canvas, never through pyplot, so
-no global state or display is involved; the caller saves them as PNG next to the logs and
-logs them to TensorBoard (`SummaryWriter.add_figure`).
+no global state or display is involved. `render` draws one once, into the pixels the caller
+writes as a PNG next to the logs (`save_png`) and logs to TensorBoard: `savefig` and
+`SummaryWriter.add_figure` each drew it again (the reporting worker draws a layout before a
+generation's first step, which every worker waits for; 60 ms instead of 120-230 ms here, alone).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
     from matplotlib.figure import Figure
 
-__all__ = ["layout_figure", "throughput_figure"]
+__all__ = ["layout_figure", "render", "save_png", "throughput_figure"]
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -25,6 +28,20 @@ def _figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)  # attaches the canvas that savefig and TensorBoard render with
     return fig
+
+
+def render(fig: Figure) -> np.ndarray:
+    """The figure's pixels: height x width x RGBA, uint8 (drawn once)."""
+    import numpy as np
+
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba()).copy()  # type: ignore[attr-defined]
+
+
+def save_png(pixels: np.ndarray, path: str) -> None:
+    from matplotlib.image import imsave
+
+    imsave(path, pixels)
 
 
 def layout_figure(rows: Sequence[tuple[int, int, int, Sequence[int]]], num_layers: int, title: str) -> Figure:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from oobleck_elastic.config import JobConfig
 from oobleck_elastic.errors import OobleckError
-from oobleck_elastic.monitoring.layout import layout_figure, throughput_figure
+from oobleck_elastic.monitoring.layout import layout_figure, render, save_png, throughput_figure
 from oobleck_elastic.monitoring.metrics import JsonlSink, MultiSink, read_records
 from oobleck_elastic.monitoring.tensorboard import TensorBoardSink
 from oobleck_elastic.planning import Instantiation, TemplateSet, layer_holders
@@ -97,10 +97,10 @@ class RunReport:
         holders = sorted(layer_holders(inst, templates).items(), key=lambda kv: (pipe_of[kv[0].node], kv[1]))
         rows = [(pipe_of[worker.node], worker.node, worker.local_rank, layers) for worker, layers in holders]
         png = os.path.join(self.cfg.monitoring.tensorboard_dir, f"layout_generation_{plan.generation}.png")
-        figure = layout_figure(rows, self.num_layers, f"generation {plan.generation}: {len(inst.pipelines)} "
-                                                      f"pipelines, {len(inst.nodes)} nodes")
-        figure.savefig(png)
-        self.tensorboard.figure(f"layout/generation_{plan.generation}", figure, plan.start_step)
+        title = f"generation {plan.generation}: {len(inst.pipelines)} pipelines, {len(inst.nodes)} nodes"
+        pixels = render(layout_figure(rows, self.num_layers, title))
+        save_png(pixels, png)
+        self.tensorboard.image(f"layout/generation_{plan.generation}", pixels, plan.start_step)
         self.sink.write({
             "event": "generation", "generation": plan.generation, "start_step": plan.start_step, "run": self.run_id,
             "nodes": list(inst.nodes), "spares": list(inst.spares),
@@ -206,10 +206,10 @@ class RunReport:
         if not self.throughput:
             return
         steps_done = sorted(self.throughput)
-        figure = throughput_figure(steps_done, [self.throughput[s] for s in steps_done], self.changes,
-                                   f"throughput over {len(self.throughput)} steps")
-        figure.savefig(os.path.join(self.cfg.monitoring.tensorboard_dir, "throughput.png"))
-        self.tensorboard.figure("throughput", figure, steps)
+        pixels = render(throughput_figure(steps_done, [self.throughput[s] for s in steps_done], self.changes,
+                                          f"throughput over {len(self.throughput)} steps"))
+        save_png(pixels, os.path.join(self.cfg.monitoring.tensorboard_dir, "throughput.png"))
+        self.tensorboard.image("throughput", pixels, steps)
 
     def stopped(self, steps: int, directory: str) -> None:
         """The run stopped on request after `steps` steps, with their checkpoint published (the

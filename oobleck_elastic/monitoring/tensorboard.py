@@ -48,9 +48,9 @@ class TensorBoardSink(MetricsSink):
             step = record.get("start_step", 0)
             self.writer.add_text("plan", "    " + record["table"].replace("\n", "\n    "), step)
 
-    def figure(self, tag: str, figure, step: int) -> None:
-        """A matplotlib figure (monitoring/layout.py) as an image under `tag`."""
-        self.writer.add_figure(tag, figure, step, close=False)
+    def image(self, tag: str, pixels, step: int) -> None:
+        """A rendered figure (monitoring/layout.py `render`: height x width x RGBA) under `tag`."""
+        self.writer.add_image(tag, pixels[..., :3], step, dataformats="HWC")
 
     def close(self) -> None:
         self.writer.flush()

@@ -5,10 +5,13 @@ log alone: tests/unit/test_reporting_unit.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import torch.distributed as dist
+from matplotlib.image import imread
 from runtime_harness import templates_for
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oobleck_elastic.config import load_config
 from oobleck_elastic.elastic.protocol import LauncherSide, WorkerSide
@@ -104,5 +107,13 @@ def test_a_new_reporter_keeps_the_runs_earlier_steps_for_its_throughput_figure(t
     assert second.throughput == {0: 64.0, 1: 64.0, 2: 128.0, 3: 64.0}
     assert second.changes == [(2, "lost [2]")]
     assert (tmp_path / "tb/throughput.png").read_bytes().startswith(b"\x89PNG")
+    # each figure drawn once: the PNG next to the logs and TensorBoard's image are the same picture
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    for tag, png in (("throughput", "throughput.png"), ("layout/generation_2", "layout_generation_2.png")):
+        logged = events.Images(tag)[-1]
+        saved = imread(str(tmp_path / "tb" / png))
+        assert saved.shape == (logged.height, logged.width, 4), (tag, saved.shape)
+        assert (imread(io.BytesIO(logged.encoded_image_string))[..., :3] == saved[..., :3]).all(), tag
     generations = [r for r in read_records(str(tmp_path / "m.jsonl")) if r.get("event") == "generation"]
     assert [r["run"] for r in generations] == ["old", "run", "run"]
