@@ -114,8 +114,11 @@ def serve_forever(path: str, modules: list[str]) -> None:
     freeze_heap()  # Note: [frozen heap before fork] in launcher/zygote.py
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = f"{path}.{os.getpid()}"
-    listener.bind(bound)
-    os.chmod(bound, 0o600)  # whoever can connect runs code as this user
+    umask = os.umask(0o177)  # the socket is this user's from the start: whoever connects runs code as them
+    try:
+        listener.bind(bound)
+    finally:
+        os.umask(umask)
     listener.listen(16)
     os.replace(bound, path)  # the path appears once it takes connections (over one a killed starter left)
     selector = selectors.DefaultSelector()

@@ -2,8 +2,9 @@
 package: ~2.5 s of CPU per interpreter), so N of them cost one import, not N. Two starters:
 
 - the local job's node starter (`Zygote.spawn`): a process of its own that the launcher execs
-  once; it imports the node agent's and the workers' modules and forks each node of
-  `--oobleck-local-nodes` from itself, in a session of its own (killed as a unit, as before);
+  once (or that a warm starter forks, launcher/warm_starter.py); it imports the node agent's and
+  the workers' modules and forks each node of `--oobleck-local-nodes` from itself, in a session
+  of its own (killed as a unit, as before);
 - a node's worker starter (`Zygote.fork`, `--start-method fork`, the launcher's default): forked
   from the node process itself before the node starts any thread; it forks the node's workers
   for the agent (launcher/forked_workers.py). Each worker is in a session of its own, as torch

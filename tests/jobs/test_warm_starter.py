@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 
 import psutil
 import pytest
@@ -77,3 +78,7 @@ def test_a_job_whose_warm_starter_does_not_answer_spawns_its_own_and_says_so(tmp
     assert len(said) == 1 and said[0].startswith(
         f"oobleck: the warm node starter OOBLECK_NODE_STARTER={gone} did not start this job's nodes ("), said
     assert said[0].endswith("); starting them without it")
+
+
+def test_the_socket_is_the_users_alone(warm_node_starter):
+    assert stat.S_IMODE(os.stat(warm_node_starter).st_mode) == 0o600
