@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from oobleck_elastic.launcher import warm_starter
 from oobleck_elastic.launcher.zygote import NODE_STARTER_MODULES, Zygote
 
-__all__ = ["NODE_PROGRAM", "EarlyStarter", "early_node_starter", "node_env",
-           "spawn_node_starter"]
+__all__ = ["NODE_PROGRAM", "EarlyStarter", "early_node_starter", "node_env", "spawn_node_starter"]
 
 NODE_PROGRAM = (sys.executable, "-m", "oobleck_elastic.launch")  # what each node runs, before its arguments
 

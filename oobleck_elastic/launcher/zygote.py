@@ -24,16 +24,16 @@ The two ends talk over a socket, one JSON object per line:
                        {"exited": PID, "returncode": RC}  RC < 0: killed by signal -RC
 
 A starter forks nothing before it has imported everything and starts no thread, so a child
-inherits no lock held by another thread (Note: [frozen heap before fork]
+inherits no lock held by another thread (Note: [forking after torch]). It exits when its owner
+closes the socket (at the end of the job or the node, or when the owner dies).
+
+Note: [frozen heap before fork]
     A starter collects its garbage and freezes what is left (gc.freeze) before it forks: its
     children inherit a heap the collector no longer scans. A worker's first full collection
     (Note: [frozen heap] in elastic/joining.py) then scans only what the worker made itself,
     not the million objects of torch's import (0.4-0.6 s per worker, four workers on two
     cores: most of a second of every job's start here), and the collector does not touch, and
     so copy, the pages the children share with the starter.
-
-Note: [forking after torch]). It exits when its owner
-closes the socket (at the end of the job or the node, or when the owner dies).
 
 Note: [forking after torch]
     `import torch` starts no Python thread and touches no device; the OpenMP pool and CUDA start
